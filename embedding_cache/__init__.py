@@ -1,0 +1,1 @@
+"""Content-addressed multimodal embedding cache."""

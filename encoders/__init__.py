@@ -1,0 +1,1 @@
+"""Vision (Qwen2.5-VL family) and audio (Whisper family) encoders."""

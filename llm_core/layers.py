@@ -1,0 +1,139 @@
+"""Building blocks of the MiMo-V2 model: norm, rotary embedding, MLP, MoE."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llm_core.config import AttentionSpec, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the activation dtype, as the reference does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, spec: AttentionSpec, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [T, rotary_dim] for the given positions.
+
+    Recomputed per forward (a few hundred flops per token) so the model holds
+    no buffers that depend on the device it was loaded to.
+    """
+    dim = spec.rotary_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim
+    inv_freq = 1.0 / (spec.rope_theta**exponent)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim channels of x [T, heads, head_dim]; pass the rest."""
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    half = rot_dim // 2
+    rotated_half = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    x_rot = x_rot * cos[:, None, :] + rotated_half * sin[:, None, :]
+    return torch.cat((x_rot, x_pass), dim=-1)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopKRouter(nn.Module):
+    """Sigmoid router with score-correction bias and group-limited top-k."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        # Router weights and bias stay float32 even in low-precision models.
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(self.num_experts), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights [T, k], expert ids [T, k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+            expert_mask = group_mask.repeat_interleave(self.num_experts // self.n_group, dim=-1)
+            choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        expert_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, expert_ids
+
+
+class RoutedExperts(nn.Module):
+    """All experts of a layer as stacked tensors (one gather per expert hit)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat_ids = expert_ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // expert_ids.shape[1]
+        slot_weights = weights.reshape(-1)[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[start : start + count]
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            h = h * slot_weights[start : start + count, None].to(h.dtype)
+            out.index_add_(0, tokens, h)
+            start += count
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = TopKRouter(config)
+        self.experts = RoutedExperts(
+            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.gate(x)
+        return self.experts(x, weights, expert_ids)

@@ -1,0 +1,1 @@
+"""Media decoding and preprocessing (images, video, audio) for the encoders."""

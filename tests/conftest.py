@@ -1,0 +1,131 @@
+"""Shared fixtures: tiny checkpoints built here, never downloaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_core.config import ModelConfig
+from llm_core.model import MTPLayer
+from llm_core.presets import tiny
+from llm_core.checkpoint import write_random_checkpoint
+
+# Short window so prompts of a few dozen tokens are "much longer than W".
+REF_WINDOW = 8
+REF_MTP_LAYERS = 1
+
+
+def hf_reference_config():  # -> transformers.MiMoV2FlashConfig
+    from transformers import MiMoV2FlashConfig
+
+    return MiMoV2FlashConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        v_head_dim=16,
+        sliding_window=REF_WINDOW + 1,
+        layer_types=[
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        max_position_embeddings=2048,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+        },
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def _make_peaky(model: torch.nn.Module) -> None:
+    """Random weights that give confident, varied next tokens (clear argmax margins)."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+        model.lm_head.weight.mul_(8.0)
+
+
+def _append_mtp_shard(model_dir: Path, config: ModelConfig) -> None:
+    """transformers does not model MTP layers: add them as a second shard with an index."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torch.manual_seed(2)
+    tensors = {}
+    for j in range(config.num_mtp_layers):
+        layer = MTPLayer(config, config.num_hidden_layers + j)
+        for name, t in layer.state_dict().items():
+            if name == "self_attn.sinks":
+                name = "self_attn.attention_sink_bias"
+            offset = 1.0 if name.endswith("norm.weight") else 0.0
+            tensors[f"model.mtp.layers.{j}.{name}"] = torch.randn_like(t) * 0.1 + offset
+    save_file(tensors, str(model_dir / "model-mtp.safetensors"))
+    weight_map = {}
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        weight_map.update(dict.fromkeys(f.keys(), "model.safetensors"))
+    weight_map.update(dict.fromkeys(tensors, "model-mtp.safetensors"))
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random MiMoV2FlashForCausalLM saved by transformers (hub tensor names),
+    plus MTP layers in a second shard."""
+    from transformers import MiMoV2FlashForCausalLM
+
+    out = tmp_path_factory.mktemp("hf_mimo")
+    torch.manual_seed(0)
+    model = MiMoV2FlashForCausalLM(hf_reference_config()).eval()
+    _make_peaky(model)
+    model.save_pretrained(out)
+    config = ModelConfig.from_json_file(out / "config.json").with_mtp_layers(REF_MTP_LAYERS)
+    _append_mtp_shard(out, config)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_checkpoint: Path):  # -> transformers.MiMoV2FlashForCausalLM
+    from transformers import MiMoV2FlashForCausalLM
+
+    return MiMoV2FlashForCausalLM.from_pretrained(hf_checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `tiny` preset with random weights and a tokenizer, as `swallow init-checkpoint` writes it."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny") / "model", tiny(), seed=0)
+
+
+@pytest.fixture
+def checkpoint_copy(hf_checkpoint: Path, tmp_path: Path) -> Path:
+    """A writable copy of the reference checkpoint, for tests that break it."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(hf_checkpoint, dst)
+    return dst
