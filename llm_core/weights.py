@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from llm_core.config import ConfigError, ModelConfig
@@ -54,8 +54,11 @@ class CheckpointReader:
             raise CheckpointError(f"no .safetensors weights in {self.model_dir}")
         weight_map: dict[str, str] = {}
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
-                weight_map.update({name: file.name for name in handle.keys()})
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    weight_map.update({name: file.name for name in handle.keys()})
+            except SafetensorError as exc:
+                raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc
         return weight_map
 
     def close(self) -> None:
@@ -80,14 +83,29 @@ class CheckpointReader:
             path = self.model_dir / file
             if not path.exists():
                 raise CheckpointError(f"tensor {name} is indexed in missing file {path}")
-            self._handles[file] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except SafetensorError as exc:
+                raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
+            self._handles[file] = self._stack.enter_context(handle)
         return self._handles[file]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        try:
+            return tuple(self._handle(name).get_slice(name).get_shape())
+        except SafetensorError as exc:
+            raise self._unreadable(name, exc) from exc
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        try:
+            return self._handle(name).get_tensor(name)
+        except SafetensorError as exc:
+            raise self._unreadable(name, exc) from exc
+
+    def _unreadable(self, name: str, exc: Exception) -> CheckpointError:
+        return CheckpointError(
+            f"tensor '{name}' is indexed in {self._weight_map[name]} but cannot be read: {exc}"
+        )
 
     def mtp_layer_count(self) -> int:
         ids = {int(m.group(1)) for name in self._weight_map if (m := _MTP_LAYER.match(name))}

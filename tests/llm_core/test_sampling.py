@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_core import LLM, SamplingParams
+from llm_core.sampling import sample_token
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint: Path) -> LLM:
+    return LLM(tiny_checkpoint)
+
+
+PROMPTS = [[5, 6, 7, 8], list(range(10, 90)), [300] * 3]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=1234)
+    alone = llm.generate([PROMPTS[1]], params)[0].token_ids
+    batched = llm.generate(PROMPTS, [SamplingParams(max_tokens=7), params, SamplingParams(max_tokens=30)])
+    assert batched[1].token_ids == alone
+    assert llm.generate([PROMPTS[1]], params)[0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=20, temperature=1.0, seed=99)
+    assert llm.generate([PROMPTS[1]], other_seed)[0].token_ids != alone
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm: LLM) -> None:
+    greedy = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12))]
+    top_k = SamplingParams(max_tokens=12, temperature=0.8, top_k=1, seed=0)
+    top_p = SamplingParams(max_tokens=12, temperature=0.8, top_p=1e-6, seed=0)
+    assert [o.token_ids for o in llm.generate(PROMPTS, top_k)] == greedy
+    assert [o.token_ids for o in llm.generate(PROMPTS, top_p)] == greedy
+
+
+def test_top_k_and_top_p_restrict_the_support() -> None:
+    logits = torch.tensor([5.0, 4.0, 3.0, -1.0, -2.0])
+    gen = torch.Generator().manual_seed(0)
+    top_k = SamplingParams(temperature=5.0, top_k=2)
+    assert {sample_token(logits, top_k, gen) for _ in range(200)} == {0, 1}
+    # p ~ [.664, .244, .090, .002, .001]: the first two reach 0.9, three reach 0.95.
+    top_p = SamplingParams(temperature=1.0, top_p=0.9)
+    assert {sample_token(logits, top_p, gen) for _ in range(400)} == {0, 1}
+    top_p = SamplingParams(temperature=1.0, top_p=0.95)
+    assert {sample_token(logits, top_p, gen) for _ in range(400)} == {0, 1, 2}
+
+
+def test_stop_tokens_and_eos(llm: LLM) -> None:
+    free = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    stop_at = free.token_ids[3]
+    first = free.token_ids.index(stop_at)
+    stopped = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=10, stop_token_ids=[stop_at]))[0]
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.finish_reason == "stop"
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+
+
+def test_text_prompts_and_decoded_text(llm: LLM) -> None:
+    out = llm.generate("the red circle moves", SamplingParams(max_tokens=5))[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("the red circle moves")
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": 0}, {"top_k": -5}],
+)
+def test_invalid_sampling_params(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_rejected_with_reasons(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 100000]])
+    with pytest.raises(ValueError, match="context length of 8192"):
+        llm.generate([[5] * 8000], SamplingParams(max_tokens=500))
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate(PROMPTS, [SamplingParams(), SamplingParams()])
