@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +16,8 @@ from llm_core.weights import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Prompt = str | Sequence[int]
+# Called as on_token(prompt_index, token_id, finish_reason) for every generated token.
+TokenCallback = Callable[[int, int, str | None], None]
 
 
 @dataclass
@@ -101,13 +103,22 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        on_token: TokenCallback | None = None,
     ) -> list[RequestOutput]:
+        """Generate for every prompt; all are validated before any is run.
+
+        ``on_token`` streams tokens as they are sampled (prompt index, token,
+        finish reason or None).
+        """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         requests = [self._make_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        index_of = {r.request_id: i for i, r in enumerate(requests)}
         with torch.inference_mode():
             while active := [r for r in requests if r.finish_reason is None]:
-                self._step(active)
+                for request, token in self._step(active):
+                    if on_token is not None:
+                        on_token(index_of[request.request_id], token, request.finish_reason)
         return [self._to_output(r) for r in requests]
 
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> _Request:
@@ -126,7 +137,7 @@ class LLM:
         self._next_id += 1
         return request
 
-    def _step(self, active: list[_Request]) -> None:
+    def _step(self, active: list[_Request]) -> list[tuple[_Request, int]]:
         """One forward over every active request: decodes first, then prompt chunks."""
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[_Request, list[int]]] = []
@@ -150,10 +161,14 @@ class LLM:
             if request.num_computed == request.num_tokens:
                 rows.append(offset - 1)
                 sampling.append(request)
+        sampled: list[tuple[_Request, int]] = []
         if rows:
             logits = self.model.compute_logits(hidden[rows])
             for request, row in zip(sampling, logits):
-                self._append_token(request, sample_token(row, request.params, request.generator))
+                token = sample_token(row, request.params, request.generator)
+                self._append_token(request, token)
+                sampled.append((request, token))
+        return sampled
 
     @staticmethod
     def _append_token(request: _Request, token: int) -> None:

@@ -1,0 +1,13 @@
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY llm_core ./llm_core
+COPY api ./api
+COPY media ./media
+COPY encoders ./encoders
+COPY embedding_cache ./embedding_cache
+RUN pip install --no-cache-dir .
+ENV SWALLOW_HOME=/models
+EXPOSE 8000
+ENTRYPOINT ["swallow"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

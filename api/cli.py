@@ -1,0 +1,85 @@
+"""The `swallow` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def default_model_dir() -> Path:
+    """Where `swallow serve` finds (or first writes) its default model."""
+    home = Path(os.environ.get("SWALLOW_HOME", Path.home() / ".cache" / "swallow"))
+    return home / "models" / "tiny-random"
+
+
+def _init_checkpoint(args: argparse.Namespace) -> int:
+    from llm_core.checkpoint import write_random_checkpoint
+    from llm_core.presets import get_preset
+
+    config = get_preset(args.preset)
+    out = write_random_checkpoint(args.dir, config, seed=args.seed)
+    print(f"wrote a random '{args.preset}' checkpoint ({config.num_parameters():,} parameters) to {out}")
+    return 0
+
+
+def _ensure_default_model() -> Path:
+    from llm_core.checkpoint import write_random_checkpoint
+    from llm_core.presets import tiny
+
+    path = default_model_dir()
+    if not (path / "config.json").exists():
+        print(f"no --model given: writing a small random demo checkpoint to {path}", flush=True)
+        write_random_checkpoint(path, tiny(), seed=0)
+    return path
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.server import create_app
+    from llm_core import LLM
+
+    model_dir = Path(args.model) if args.model else _ensure_default_model()
+    llm = LLM(model_dir, device=args.device, dtype=args.dtype)
+    app = create_app(llm, model_name=args.served_model_name or model_dir.name)
+    print(f"Swallow is serving {model_dir} at http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swallow", description="Hybrid-SWA MoE serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible)")
+    serve.add_argument("--model", help="checkpoint directory (default: a small random demo model)")
+    serve.add_argument("--served-model-name", help="model id reported by the API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_serve)
+
+    init = sub.add_parser("init-checkpoint", help="write a random-weight checkpoint of a preset shape")
+    init.add_argument("dir")
+    init.add_argument("--preset", default="tiny")
+    init.add_argument("--seed", type=int, default=0)
+    init.set_defaults(func=_init_checkpoint)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:
+        print(f"swallow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

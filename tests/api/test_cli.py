@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from api.cli import main
+from llm_core import LLM, SamplingParams
+from llm_core.presets import tiny
+
+
+def test_init_checkpoint_writes_a_loadable_model_with_tokenizer(tmp_path: Path, capsys) -> None:
+    assert main(["init-checkpoint", str(tmp_path / "m"), "--preset", "tiny", "--seed", "5"]) == 0
+    assert "random 'tiny' checkpoint" in capsys.readouterr().out
+    llm = LLM(tmp_path / "m")
+    assert llm.config == tiny()
+    assert llm.tokenizer is not None and llm.tokenizer.vocab_size == tiny().vocab_size
+    out = llm.generate("hello", SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
+def test_init_checkpoint_is_seeded(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        main(["init-checkpoint", str(tmp_path / name), "--seed", "1"])
+    files_a = sorted((tmp_path / "a").glob("*.safetensors"))
+    files_b = sorted((tmp_path / "b").glob("*.safetensors"))
+    assert [f.read_bytes() for f in files_a] == [f.read_bytes() for f in files_b]
+
+
+@pytest.mark.parametrize(("preset", "message"), [("mimo-v2-flash", "too large"), ("nope", "unknown preset")])
+def test_init_checkpoint_errors_are_messages(tmp_path: Path, capsys, preset: str, message: str) -> None:
+    assert main(["init-checkpoint", str(tmp_path / "x"), "--preset", preset]) == 2
+    assert message in capsys.readouterr().err

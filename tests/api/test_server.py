@@ -1,0 +1,134 @@
+"""`swallow serve` as a user runs it: a live uvicorn server on localhost."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llm_core import LLM, SamplingParams
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Path) -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "serve", "--model", str(tiny_checkpoint),
+         "--port", str(port), "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{proc.stdout.read() if proc.stdout else ''}")
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint: Path) -> LLM:
+    return LLM(tiny_checkpoint)
+
+
+def test_health_and_models(server: str, tiny_checkpoint: Path) -> None:
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    models = httpx.get(f"{server}/v1/models").json()
+    assert models["data"][0]["id"] == tiny_checkpoint.name
+
+
+def test_token_id_prompt_matches_offline_generation(server: str, llm: LLM) -> None:
+    prompt = list(range(20, 80))
+    r = httpx.post(f"{server}/v1/completions",
+                   json={"prompt": prompt, "max_tokens": 12, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = llm.generate([prompt], SamplingParams(max_tokens=12))[0]
+    assert body["choices"][0]["token_ids"] == expected.token_ids
+    assert body["choices"][0]["text"] == expected.text
+    assert body["usage"] == {"prompt_tokens": 60, "completion_tokens": 12, "total_tokens": 72}
+
+
+def test_text_prompts_with_the_openai_client(server: str, llm: LLM) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    result = client.completions.create(model="tiny", prompt=["the red circle", "a blue square moves"],
+                                       max_tokens=8, temperature=0)
+    expected = llm.generate(["the red circle", "a blue square moves"], SamplingParams(max_tokens=8))
+    assert [c.text for c in result.choices] == [e.text for e in expected]
+
+
+def test_streaming_sends_tokens_then_done(server: str, llm: LLM) -> None:
+    prompt = [7, 8, 9, 10]
+    expected = llm.generate([prompt], SamplingParams(max_tokens=10))[0]
+    chunks = []
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    tokens = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
+    assert tokens == expected.token_ids
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == expected.text
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 10
+
+
+def test_stop_strings_cut_the_text(server: str, llm: LLM) -> None:
+    free = llm.generate(["the time"], SamplingParams(max_tokens=16, ignore_eos=True))[0].text
+    stop = free[len(free) // 2 : len(free) // 2 + 2]
+    r = httpx.post(f"{server}/v1/completions", timeout=60,
+                   json={"prompt": "the time", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": stop})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == free[: free.find(stop)]
+    assert choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (json.dumps({"prompt": []}).encode(), "'prompt' must be"),
+        (json.dumps({"prompt": [1, 2, 10**6]}).encode(), "outside the vocabulary"),
+        (json.dumps({"prompt": [5] * 8190, "max_tokens": 100}).encode(), "context length"),
+        (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),
+        (json.dumps({"prompt": "hi", "temperature": -2}).encode(), "temperature"),
+        (json.dumps({"prompt": "hi", "max_tokens": "ten"}).encode(), "'max_tokens' must be an integer"),
+        (json.dumps({"prompt": "hi", "n": 3}).encode(), "n=1"),
+        (json.dumps({"prompt": [5] * 8190, "max_tokens": 100, "stream": True}).encode(), "context length"),
+    ],
+)
+def test_bad_requests_get_400_with_a_reason_and_the_server_keeps_serving(
+    server: str, body: bytes, reason: str
+) -> None:
+    r = httpx.post(f"{server}/v1/completions", content=body, timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert reason in r.json()["error"]["message"]
+    ok = httpx.post(f"{server}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
