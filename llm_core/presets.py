@@ -9,6 +9,16 @@ def _pattern(num_layers: int, full_layers: set[int]) -> tuple[str, ...]:
     return tuple("full" if i in full_layers else "sliding" for i in range(num_layers))
 
 
+def _mimo_attention(num_heads: int, num_kv_heads: int, sliding: bool) -> AttentionSpec:
+    """MiMo-V2 attention: 192/128 q-k/v head dims, a third of the dims rotated,
+    theta 5M on full layers, 10K plus sinks and a 128-token window on SWA layers."""
+    return AttentionSpec(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=192, v_head_dim=128,
+        rope_theta=10_000.0 if sliding else 5_000_000.0, partial_rotary_factor=0.334,
+        sliding_window=129 if sliding else None, has_sinks=sliding,
+    )
+
+
 def tiny() -> ModelConfig:
     """A few-MB model with every feature of the architecture, for tests and `make serve`."""
     return ModelConfig(
@@ -52,16 +62,8 @@ def mimo_v2_flash() -> ModelConfig:
         num_hidden_layers=48,
         layer_types=_pattern(48, full_layers),  # type: ignore[arg-type]
         mlp_layer_types=("dense",) + ("sparse",) * 47,
-        full_attention=AttentionSpec(
-            num_heads=64, num_kv_heads=4, head_dim=192, v_head_dim=128,
-            rope_theta=5_000_000.0, partial_rotary_factor=0.334,
-            sliding_window=None, has_sinks=False,
-        ),
-        sliding_attention=AttentionSpec(
-            num_heads=64, num_kv_heads=8, head_dim=192, v_head_dim=128,
-            rope_theta=10_000.0, partial_rotary_factor=0.334,
-            sliding_window=129, has_sinks=True,
-        ),
+        full_attention=_mimo_attention(64, 4, sliding=False),
+        sliding_attention=_mimo_attention(64, 8, sliding=True),
         moe_intermediate_size=2048,
         n_routed_experts=256,
         num_experts_per_tok=8,
@@ -81,16 +83,8 @@ def mimo_v2_5_pro() -> ModelConfig:
         num_hidden_layers=70,
         layer_types=_pattern(70, full_layers),  # type: ignore[arg-type]
         mlp_layer_types=("dense",) + ("sparse",) * 69,
-        full_attention=AttentionSpec(
-            num_heads=128, num_kv_heads=8, head_dim=192, v_head_dim=128,
-            rope_theta=5_000_000.0, partial_rotary_factor=0.334,
-            sliding_window=None, has_sinks=False,
-        ),
-        sliding_attention=AttentionSpec(
-            num_heads=128, num_kv_heads=8, head_dim=192, v_head_dim=128,
-            rope_theta=10_000.0, partial_rotary_factor=0.334,
-            sliding_window=129, has_sinks=True,
-        ),
+        full_attention=_mimo_attention(128, 8, sliding=False),
+        sliding_attention=_mimo_attention(128, 8, sliding=True),
         moe_intermediate_size=2048,
         n_routed_experts=384,
         num_experts_per_tok=8,
