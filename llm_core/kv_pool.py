@@ -1,0 +1,230 @@
+"""KV memory bookkeeping for hybrid SWA models, with no tensors and no model.
+
+Two slot spaces, both paged:
+
+* ``FullKVPool`` backs full-attention layers; a request's pages grow with its
+  sequence and are kept until it ends.
+* ``SWAKVPool`` backs sliding-window layers (and MTP layers); a request holds
+  only the pages that still cover its live window. A page goes back to the
+  pool as soon as every position on it has fallen out of the window. Its
+  pages default to one token, so a request holds exactly its window plus the
+  chunk in flight.
+
+A ``SequenceView`` maps each position of one request to its full slot
+(authoritative) and, for positions in the live window, to its SWA slot.
+Everything here runs without torch, so capacity can be measured for models
+that do not fit on this machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SWAMode = Literal["hybrid", "full"]
+
+
+class PageAllocator:
+    """A free list of fixed-size pages; slot = page * page_size + offset."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 0 or page_size < 1:
+            raise ValueError(f"bad pool shape: {num_pages} pages of {page_size} slots")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        # A stack: allocation and release are slices, cheap for millions of pages.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        """In slots (tokens)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free) * self.page_size
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"asked for {n} pages, {len(self._free)} free")
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+
+class FullKVPool(PageAllocator):
+    """Pages for full-attention layers."""
+
+
+class SWAKVPool(PageAllocator):
+    """Pages for sliding-window layers, used as a ring per request."""
+
+
+@dataclass
+class SequenceView:
+    """Where one request's KV lives. Positions [0, num_tokens) have KV slots."""
+
+    full_page_size: int
+    swa_page_size: int
+    full_pages: list[int] = field(default_factory=list)
+    # Logical SWA page (position // swa_page_size) -> physical page, live window only.
+    swa_pages: dict[int, int] = field(default_factory=dict)
+    num_tokens: int = 0
+
+    def full_slots(self, start: int, end: int) -> list[int]:
+        ps = self.full_page_size
+        return [self.full_pages[p // ps] * ps + p % ps for p in range(start, end)]
+
+    def swa_slots(self, start: int, end: int) -> list[int]:
+        ps = self.swa_page_size
+        try:
+            return [self.swa_pages[p // ps] * ps + p % ps for p in range(start, end)]
+        except KeyError as exc:
+            raise KeyError(f"position {exc.args[0] * ps}.. has no live SWA slot") from None
+
+    @property
+    def first_swa_pos(self) -> int:
+        """Lowest position whose SWA page is still held."""
+        return min(self.swa_pages, default=self.num_tokens // self.swa_page_size) * self.swa_page_size
+
+    @property
+    def swa_slots_held(self) -> int:
+        return len(self.swa_pages) * self.swa_page_size
+
+
+class KVAllocator:
+    """Grows and shrinks sequence views over the two pools.
+
+    ``window`` is the number of keys a query sees, itself included, so a
+    query at position p needs KV for positions [p - window + 1, p]. In
+    ``swa_mode="full"`` SWA layers keep the whole sequence (the baseline of
+    engines without SWA support): their pages are never released early.
+    """
+
+    def __init__(self, full: FullKVPool, swa: SWAKVPool, window: int, swa_mode: SWAMode = "hybrid") -> None:
+        self.full = full
+        self.swa = swa
+        self.window = window
+        self.swa_mode = swa_mode
+
+    def new_view(self) -> SequenceView:
+        return SequenceView(self.full.page_size, self.swa.page_size)
+
+    # ------------------------------------------------------------- planning
+    def pages_needed(self, view: SequenceView, new_len: int) -> tuple[int, int]:
+        """(full pages, SWA pages) to allocate to grow ``view`` to ``new_len``
+        tokens, after the SWA pages it can release first are returned."""
+        full_needed = max(0, -(-new_len // self.full.page_size) - len(view.full_pages))
+        first_live = self._first_live_page(view.num_tokens)
+        wanted = range(first_live, -(-new_len // self.swa.page_size))
+        swa_needed = sum(1 for p in wanted if p not in view.swa_pages)
+        return full_needed, swa_needed
+
+    def can_grow(self, view: SequenceView, new_len: int, reserve_full: int = 0, reserve_swa: int = 0) -> bool:
+        full_needed, swa_needed = self.pages_needed(view, new_len)
+        releasable = self._releasable(view, view.num_tokens)
+        return (
+            full_needed + reserve_full <= self.full.free_pages
+            and swa_needed + reserve_swa <= self.swa.free_pages + len(releasable)
+        )
+
+    # ----------------------------------------------------------- mutations
+    def grow(self, view: SequenceView, new_len: int) -> None:
+        """Give positions [view.num_tokens, new_len) slots in both pools.
+
+        The SWA pages still needed are those covering the window of the
+        first new query onward, so pages that left the window before this
+        chunk are released first.
+        """
+        if not self.can_grow(view, new_len):
+            raise MemoryError(f"cannot grow sequence to {new_len} tokens")
+        self.release_out_of_window(view, view.num_tokens)
+        full_needed, swa_needed = self.pages_needed(view, new_len)
+        view.full_pages.extend(self.full.allocate(full_needed))
+        fresh = iter(self.swa.allocate(swa_needed))
+        for logical in range(self._first_live_page(view.num_tokens), -(-new_len // self.swa.page_size)):
+            if logical not in view.swa_pages:
+                view.swa_pages[logical] = next(fresh)
+        view.num_tokens = new_len
+
+    def release_out_of_window(self, view: SequenceView, next_query_pos: int) -> int:
+        """Return SWA pages that no query at ``next_query_pos`` or later can see."""
+        pages = self._releasable(view, next_query_pos)
+        for logical in pages:
+            del view.swa_pages[logical]
+        self.swa.release([p for p in pages.values()])
+        return len(pages)
+
+    def free(self, view: SequenceView) -> None:
+        self.full.release(view.full_pages)
+        self.swa.release(list(view.swa_pages.values()))
+        view.full_pages = []
+        view.swa_pages = {}
+        view.num_tokens = 0
+
+    def truncate(self, view: SequenceView, new_len: int) -> None:
+        """Forget positions >= new_len (rejected speculative tokens)."""
+        keep_full = -(-new_len // self.full.page_size)
+        self.full.release(view.full_pages[keep_full:])
+        del view.full_pages[keep_full:]
+        keep_swa = -(-new_len // self.swa.page_size)
+        for logical in [p for p in view.swa_pages if p >= keep_swa]:
+            self.swa.release([view.swa_pages.pop(logical)])
+        view.num_tokens = min(view.num_tokens, new_len)
+
+    # -------------------------------------------------------------- helpers
+    def _first_live_page(self, next_query_pos: int) -> int:
+        if self.swa_mode == "full":
+            return 0
+        return max(0, next_query_pos - self.window + 1) // self.swa.page_size
+
+    def _releasable(self, view: SequenceView, next_query_pos: int) -> dict[int, int]:
+        first_live = self._first_live_page(next_query_pos)
+        return {lp: pp for lp, pp in view.swa_pages.items() if lp < first_live}
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """How many pages each pool gets from a KV memory budget."""
+
+    full_pages: int
+    swa_pages: int
+    page_size: int
+
+    @staticmethod
+    def from_budget(
+        budget_bytes: int,
+        full_bytes_per_token: int,
+        swa_bytes_per_token: int,
+        window: int,
+        page_size: int,
+        max_running_requests: int,
+        max_num_batched_tokens: int,
+        swa_mode: SWAMode = "hybrid",
+    ) -> PoolSizing:
+        """Hybrid: the SWA pool holds every running request's window (plus a
+        page either side for alignment) and one step's worth of prefill
+        tokens; the full pool gets the rest. Full mode: both pools grow with
+        the sequence, so the budget is split in proportion to bytes per token."""
+        page_full = full_bytes_per_token * page_size
+        page_swa = swa_bytes_per_token * page_size
+        if swa_mode == "full":
+            pages = budget_bytes // max(page_full + page_swa, 1)
+            return PoolSizing(pages, pages, page_size)
+        per_request = -(-(window + 2 * page_size) // page_size)
+        swa_pages = max_running_requests * per_request + -(-max_num_batched_tokens // page_size)
+        swa_bytes = swa_pages * page_swa
+        if swa_bytes > budget_bytes:
+            swa_pages = budget_bytes // max(2 * page_swa, 1)
+            swa_bytes = swa_pages * page_swa
+        full_pages = (budget_bytes - swa_bytes) // max(page_full, 1)
+        return PoolSizing(int(full_pages), int(swa_pages), page_size)
