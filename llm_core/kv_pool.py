@@ -194,11 +194,10 @@ class KVAllocator:
 
 @dataclass(frozen=True)
 class PoolSizing:
-    """How many pages each pool gets from a KV memory budget."""
+    """How many tokens (slots) each pool gets from a KV memory budget."""
 
-    full_pages: int
-    swa_pages: int
-    page_size: int
+    full_tokens: int
+    swa_tokens: int
 
     @staticmethod
     def from_budget(
@@ -206,25 +205,20 @@ class PoolSizing:
         full_bytes_per_token: int,
         swa_bytes_per_token: int,
         window: int,
-        page_size: int,
+        full_page_size: int,
         max_running_requests: int,
         max_num_batched_tokens: int,
         swa_mode: SWAMode = "hybrid",
     ) -> PoolSizing:
-        """Hybrid: the SWA pool holds every running request's window (plus a
-        page either side for alignment) and one step's worth of prefill
-        tokens; the full pool gets the rest. Full mode: both pools grow with
-        the sequence, so the budget is split in proportion to bytes per token."""
-        page_full = full_bytes_per_token * page_size
-        page_swa = swa_bytes_per_token * page_size
+        """Hybrid: the SWA pool holds every running request's window and one
+        step's worth of prefill tokens; the full pool gets the rest. Full
+        mode: SWA layers keep every token, so both pools hold the same count."""
         if swa_mode == "full":
-            pages = budget_bytes // max(page_full + page_swa, 1)
-            return PoolSizing(pages, pages, page_size)
-        per_request = -(-(window + 2 * page_size) // page_size)
-        swa_pages = max_running_requests * per_request + -(-max_num_batched_tokens // page_size)
-        swa_bytes = swa_pages * page_swa
-        if swa_bytes > budget_bytes:
-            swa_pages = budget_bytes // max(2 * page_swa, 1)
-            swa_bytes = swa_pages * page_swa
-        full_pages = (budget_bytes - swa_bytes) // max(page_full, 1)
-        return PoolSizing(int(full_pages), int(swa_pages), page_size)
+            tokens = budget_bytes // max(full_bytes_per_token + swa_bytes_per_token, 1)
+            tokens -= tokens % full_page_size
+            return PoolSizing(tokens, tokens)
+        swa_tokens = max_running_requests * window + max_num_batched_tokens
+        swa_tokens = min(swa_tokens, budget_bytes // 2 // max(swa_bytes_per_token, 1))
+        full_tokens = (budget_bytes - swa_tokens * swa_bytes_per_token) // max(full_bytes_per_token, 1)
+        full_tokens -= full_tokens % full_page_size
+        return PoolSizing(int(full_tokens), int(swa_tokens))

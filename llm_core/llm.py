@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
 
 from llm_core.config import ModelConfig
-from llm_core.kv_cache import ContiguousAttention, RequestKVCache, Segment
-from llm_core.sampling import SamplingParams, make_generator, sample_token
+from llm_core.engine import Engine, EngineConfig, TokenEvent
+from llm_core.sampling import SamplingParams
 from llm_core.tokenizer import Tokenizer
 from llm_core.weights import load_model
 
@@ -29,38 +30,17 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (EOS or a stop token) or "length"
 
 
-@dataclass
-class _Request:
-    request_id: int
-    prompt: list[int]
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    generator: torch.Generator | None
-    cache: RequestKVCache = field(default_factory=RequestKVCache)
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    num_computed: int = 0  # tokens whose KV is in the cache
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    def pending_tokens(self) -> list[int]:
-        """Tokens still to run through the model (a prompt tail, or the last output)."""
-        if self.num_computed < len(self.prompt):
-            return self.prompt[self.num_computed :]
-        return self.output[self.num_computed - len(self.prompt) :]
-
-
 class LLM:
     def __init__(
         self,
         model: str | Path,
         device: str = "cpu",
         dtype: str = "float32",
-        max_num_batched_tokens: int = 4096,
+        **engine_options: Any,
     ) -> None:
+        """``engine_options`` are ``EngineConfig`` fields: ``kv_budget_bytes``,
+        ``swa_mode``, ``max_running_requests``, ``max_num_batched_tokens``,
+        ``chunked_prefill_size``, ``page_size``, ``attention``."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.model_dir = Path(model)
@@ -68,8 +48,8 @@ class LLM:
         self.model = load_model(self.model_dir, self.device, DTYPES[dtype])
         self.config: ModelConfig = self.model.config
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self._next_id = 0
+        engine_config = EngineConfig(**engine_options)
+        self.engine = Engine(self.model, engine_config, self.device)
 
     # ------------------------------------------------------------------ input
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -112,83 +92,48 @@ class LLM:
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        requests = [self._make_request(p, sp) for p, sp in zip(prompt_list, params_list)]
-        index_of = {r.request_id: i for i, r in enumerate(requests)}
-        with torch.inference_mode():
-            while active := [r for r in requests if r.finish_reason is None]:
-                for request, token in self._step(active):
+        encoded = [self.encode_prompt(p) for p in prompt_list]
+        for ids, params in zip(encoded, params_list):
+            self.check_length(len(ids), params.max_tokens)
+        ids_of: list[int] = []
+        tokens: list[list[int]] = [[] for _ in encoded]
+        reasons: list[str | None] = [None] * len(encoded)
+        try:
+            for ids, params in zip(encoded, params_list):
+                ids_of.append(self.add_request(ids, params))
+            index_of = {rid: i for i, rid in enumerate(ids_of)}
+            while any(r is None for r in reasons):
+                for event in self.step():
+                    i = index_of[event.request_id]
+                    tokens[i].append(event.token)
+                    reasons[i] = event.finish_reason
                     if on_token is not None:
-                        on_token(index_of[request.request_id], token, request.finish_reason)
-        return [self._to_output(r) for r in requests]
+                        on_token(i, event.token, event.finish_reason)
+        finally:
+            for rid, reason in zip(ids_of, reasons):
+                if reason is None:
+                    self.engine.abort(rid)
+        return [
+            RequestOutput(rid, ids, toks, self._decode(toks), reason)
+            for rid, ids, toks, reason in zip(ids_of, encoded, tokens, reasons)
+        ]
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams) -> _Request:
-        ids = self.encode_prompt(prompt)
-        self.check_length(len(ids), params.max_tokens)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(self.config.eos_token_ids)
-        request = _Request(
-            request_id=self._next_id,
-            prompt=ids,
-            params=params,
-            stop_ids=frozenset(stop_ids),
-            generator=make_generator(params, self.device),
-        )
-        self._next_id += 1
-        return request
+    # ------------------------------------------------------- engine passthrough
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        return self.engine.add_request(prompt_ids, params, self.config.eos_token_ids)
 
-    def _step(self, active: list[_Request]) -> list[tuple[_Request, int]]:
-        """One forward over every active request: decodes first, then prompt chunks."""
-        budget = self.max_num_batched_tokens
-        scheduled: list[tuple[_Request, list[int]]] = []
-        for request in sorted(active, key=lambda r: r.num_computed < len(r.prompt)):
-            tokens = request.pending_tokens()[: max(budget, 0)]
-            if tokens:
-                scheduled.append((request, tokens))
-                budget -= len(tokens)
-        segments = [Segment(r.cache, r.num_computed, len(t)) for r, t in scheduled]
-        input_ids = torch.tensor([t for _, ts in scheduled for t in ts], device=self.device)
-        positions = torch.cat(
-            [torch.arange(s.start, s.start + s.length, device=self.device) for s in segments]
-        )
-        hidden = self.model(input_ids, positions, ContiguousAttention(segments, self.device))
+    def step(self) -> list[TokenEvent]:
+        with torch.inference_mode():
+            return self.engine.step()
 
-        rows, sampling = [], []
-        offset = 0
-        for request, tokens in scheduled:
-            offset += len(tokens)
-            request.num_computed += len(tokens)
-            if request.num_computed == request.num_tokens:
-                rows.append(offset - 1)
-                sampling.append(request)
-        sampled: list[tuple[_Request, int]] = []
-        if rows:
-            logits = self.model.compute_logits(hidden[rows])
-            for request, row in zip(sampling, logits):
-                token = sample_token(row, request.params, request.generator)
-                self._append_token(request, token)
-                sampled.append((request, token))
-        return sampled
+    def abort(self, request_id: int) -> bool:
+        return self.engine.abort(request_id)
 
-    @staticmethod
-    def _append_token(request: _Request, token: int) -> None:
-        request.output.append(token)
-        if token in request.stop_ids:
-            request.finish_reason = "stop"
-        elif len(request.output) >= request.params.max_tokens:
-            request.finish_reason = "length"
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
 
-    def _to_output(self, request: _Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt,
-            token_ids=request.output,
-            text=text,
-            finish_reason=request.finish_reason,
-        )
+    def _decode(self, token_ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

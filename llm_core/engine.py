@@ -1,0 +1,203 @@
+"""The continuous-batching engine: scheduler + KV pools + model + sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool, SWAMode
+from llm_core.model import MiMoV2ForCausalLM
+from llm_core.paged_attention import (
+    AttentionFn,
+    KVCacheTensors,
+    PagedAttentionBackend,
+    PagedBatch,
+    paged_attention_torch,
+)
+from llm_core.sampling import SamplingParams, make_generator, sample_token
+from llm_core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence
+
+AttentionImpl = Literal["auto", "torch", "triton"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_budget_bytes: int = 256 << 20
+    page_size: int = 16
+    swa_page_size: int = 1
+    swa_mode: SWAMode = "hybrid"
+    max_running_requests: int = 64
+    max_num_batched_tokens: int = 4096
+    chunked_prefill_size: int = 1024
+    attention: AttentionImpl = "auto"
+
+    def __post_init__(self) -> None:
+        if self.swa_mode not in ("hybrid", "full"):
+            raise ValueError(f"swa_mode must be 'hybrid' or 'full', got {self.swa_mode!r}")
+        if self.attention not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {self.attention!r}")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: int
+    token: int
+    finish_reason: str | None  # set on the request's last token
+
+
+@dataclass
+class _Sampling:
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+
+
+def resolve_attention(impl: AttentionImpl, device: torch.device) -> AttentionFn:
+    if impl == "triton" or (impl == "auto" and device.type == "cuda"):
+        from llm_core.triton_attention import paged_attention_triton
+
+        return paged_attention_triton
+    return paged_attention_torch
+
+
+class Engine:
+    def __init__(self, model: MiMoV2ForCausalLM, config: EngineConfig, device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        mc = model.config
+        dtype = model.lm_head.weight.dtype
+        probe = KVCacheTensors(mc, 0, 0, dtype, "meta")
+        self.window = mc.sliding_attention.sliding_window or 1
+        sizing = PoolSizing.from_budget(
+            config.kv_budget_bytes,
+            probe.full_bytes_per_token,
+            probe.swa_bytes_per_token,
+            self.window + config.swa_page_size - 1,
+            config.page_size,
+            config.max_running_requests,
+            config.max_num_batched_tokens,
+            config.swa_mode,
+        )
+        self.allocator = KVAllocator(
+            FullKVPool(sizing.full_tokens // config.page_size, config.page_size),
+            SWAKVPool(sizing.swa_tokens // config.swa_page_size, config.swa_page_size),
+            self.window,
+            config.swa_mode,
+        )
+        self.kv = KVCacheTensors(mc, self.allocator.full.capacity, self.allocator.swa.capacity, dtype, device)
+        self.scheduler = Scheduler(
+            self.allocator,
+            SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size),
+        )
+        self.attention_fn = resolve_attention(config.attention, device)
+        self._sampling: dict[int, _Sampling] = {}
+        self._sequences: dict[int, Sequence] = {}
+        self._next_id = 0
+
+    # -------------------------------------------------------------- requests
+    def add_request(self, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...] = ()) -> int:
+        needed = len(prompt) + params.max_tokens
+        if needed > self.allocator.full.capacity:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} needs more KV "
+                f"memory than the pool holds ({self.allocator.full.capacity} tokens)"
+            )
+        request_id = self._next_id
+        self._next_id += 1
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self._sampling[request_id] = _Sampling(params, frozenset(stop_ids), make_generator(params, self.device))
+        seq = Sequence(request_id, list(prompt), params.max_tokens, self.allocator.new_view())
+        self._sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request now and free all its KV. False if it already ended."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        del self._sampling[request_id]
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def output_tokens(self, request_id: int) -> list[int]:
+        return self._sequences[request_id].output
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[TokenEvent]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        hidden = self._forward(chunks)
+        sampled = [c for c in chunks if c.samples]
+        self.scheduler.after_step(chunks)
+        if not sampled:
+            return []
+        rows, offset = [], 0
+        for chunk in chunks:
+            offset += chunk.length
+            if chunk.samples:
+                rows.append(offset - 1)
+        logits = self.model.compute_logits(hidden[rows])
+        return [self._accept(chunk.seq, row) for chunk, row in zip(sampled, logits)]
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        tokens: list[int] = []
+        q_ranges: list[tuple[int, int]] = []
+        full_slots, full_write, swa_slots, swa_write, swa_first = [], [], [], [], []
+        for chunk in chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.length
+            tokens.extend(seq.token_slice(start, end))
+            q_ranges.append((start, chunk.length))
+            full_slots.append(seq.view.full_slots(0, end))
+            full_write.append(full_slots[-1][start:])
+            first = max(0, start - self.window + 1)
+            swa_first.append(first)
+            swa_slots.append(seq.view.swa_slots(first, end))
+            swa_write.append(swa_slots[-1][start - first :])
+        full_batch = PagedBatch.build(q_ranges, full_slots, [0] * len(chunks), full_write, self.device)
+        swa_batch = PagedBatch.build(q_ranges, swa_slots, swa_first, swa_write, self.device)
+        backend = PagedAttentionBackend(self.kv, full_batch, swa_batch, self.attention_fn)
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.model(input_ids, full_batch.q_pos, backend)
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
+        sampling = self._sampling[seq.request_id]
+        token = sample_token(logits, sampling.params, sampling.generator)
+        seq.output.append(token)
+        reason = None
+        if token in sampling.stop_ids:
+            reason = "stop"
+        elif len(seq.output) >= seq.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self._sampling[seq.request_id]
+            del self._sequences[seq.request_id]
+        return TokenEvent(seq.request_id, token, reason)
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        full, swa = self.allocator.full, self.allocator.swa
+        return {
+            "swa_mode": self.config.swa_mode,
+            "full_pool": {
+                "capacity_tokens": full.capacity,
+                "free_tokens": full.free_slots,
+                "bytes_per_token": self.kv.full_bytes_per_token,
+            },
+            "swa_pool": {
+                "capacity_tokens": swa.capacity,
+                "free_tokens": swa.free_slots,
+                "bytes_per_token": self.kv.swa_bytes_per_token,
+            },
+            "running_requests": len(self.scheduler.running),
+            "waiting_requests": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+        }
