@@ -218,7 +218,8 @@ class PoolSizing:
             tokens -= tokens % full_page_size
             return PoolSizing(tokens, tokens)
         swa_tokens = max_running_requests * window + max_num_batched_tokens
-        swa_tokens = min(swa_tokens, budget_bytes // 2 // max(swa_bytes_per_token, 1))
+        # A budget too small for every window still leaves the full pool a tenth.
+        swa_tokens = min(swa_tokens, budget_bytes * 9 // 10 // max(swa_bytes_per_token, 1))
         full_tokens = (budget_bytes - swa_tokens * swa_bytes_per_token) // max(full_bytes_per_token, 1)
         full_tokens -= full_tokens % full_page_size
         return PoolSizing(int(full_tokens), int(swa_tokens))

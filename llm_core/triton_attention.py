@@ -35,6 +35,89 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def _attend_block(
+    q,
+    qpos,
+    row_ok,
+    m_i,
+    l_i,
+    acc,
+    K,
+    V,
+    kv_slots_ptr,
+    kv_start,
+    kv_head,
+    first_pos,
+    n0,
+    hi,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    qk_scale,
+    window,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    """One key block [n0, n0 + BLOCK_N) of the online softmax; returns the new
+    (max, denominator, accumulator)."""
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < hi
+    slots = tl.load(kv_slots_ptr + kv_start + n, mask=n_ok, other=0)
+    k = tl.load(
+        K + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+        mask=n_ok[:, None] & (d[None, :] < D),
+        other=0.0,
+    )
+    if USE_DOT:
+        if F32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+    else:
+        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    s = s * qk_scale
+
+    kpos = first_pos + n
+    visible = row_ok[:, None] & n_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (qpos[:, None] - kpos[None, :] < window)
+    s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with nothing visible yet keeps max -inf: shift by 0 instead so
+    # exp2 sees -inf - 0 (-> 0) rather than -inf - -inf (-> nan).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
+    v = tl.load(
+        V + slots[:, None] * stride_vs + kv_head * stride_vh + dv[None, :],
+        mask=n_ok[:, None] & (dv[None, :] < DV),
+        other=0.0,
+    )
+    if USE_DOT:
+        if F32_DOT:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+    else:
+        # Round p like the dot path (and the torch reference) does.
+        pv = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q,
     K,
@@ -70,7 +153,10 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     USE_DOT: tl.constexpr,
-    IEEE_DOT: tl.constexpr,  # float32 inputs: keep full precision (no tf32)
+    # Dot in true float32: for float32 inputs (no tf32), and in the
+    # interpreter, whose tl.dot misreads bfloat16 operands.
+    F32_DOT: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0)
     head_base = tl.program_id(1) * HEADS_PER_PROG
@@ -123,56 +209,27 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    cols = tl.arange(0, BLOCK_N)
-    for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + cols
-        n_ok = n < hi
-        slots = tl.load(kv_slots_ptr + kv_start + n, mask=n_ok, other=0)
-        k = tl.load(
-            K + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-            mask=n_ok[:, None] & (d[None, :] < D),
-            other=0.0,
-        )
-        if USE_DOT:
-            if IEEE_DOT:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-        else:
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        s = s * qk_scale
+    # The interpreter cannot use a runtime scalar as a range() bound (numpy
+    # >= 2.4 refuses int() of its 1-element arrays); compiled, a for loop is
+    # kept because only scf.for gets software pipelining.
+    if INTERPRET:
+        n0 = lo
+        while n0 < hi:
+            m_i, l_i, acc = _attend_block(
+                q, qpos, row_ok, m_i, l_i, acc, K, V, kv_slots_ptr, kv_start, kv_head, first_pos, n0, hi,
+                stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, window,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_WINDOW, USE_DOT, F32_DOT,
+            )  # fmt: skip
+            n0 += BLOCK_N
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                q, qpos, row_ok, m_i, l_i, acc, K, V, kv_slots_ptr, kv_start, kv_head, first_pos, n0, hi,
+                stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, window,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_WINDOW, USE_DOT, F32_DOT,
+            )  # fmt: skip
 
-        kpos = first_pos + n
-        visible = row_ok[:, None] & n_ok[None, :] & (kpos[None, :] <= qpos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (qpos[:, None] - kpos[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with nothing visible yet keeps max -inf: shift by 0 instead so
-        # exp2 sees -inf - 0 (-> 0) rather than -inf - -inf (-> nan).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v = tl.load(
-            V + slots[:, None] * stride_vs + kv_head * stride_vh + dv[None, :],
-            mask=n_ok[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )
-        if USE_DOT:
-            if IEEE_DOT:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-        else:
-            # Round p like the dot path (and the torch reference) does.
-            pv = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-    out = acc / l_i[:, None]
+    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows have l = 0
     tl.store(
         O + q_row[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :],
         out.to(O.dtype.element_ty),
@@ -252,7 +309,8 @@ def _launch(
         HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
         USE_DOT=use_dot,
-        IEEE_DOT=q.dtype == torch.float32,
+        F32_DOT=q.dtype == torch.float32 or _interpreting(),
+        INTERPRET=_interpreting(),
         **extra,
     )
     return out
