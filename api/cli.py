@@ -50,6 +50,23 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    if args.name == "kv":
+        from llm_core.bench.kv_capacity import GIB, kv_capacity
+        from llm_core.presets import get_preset
+
+        result = kv_capacity(get_preset(args.preset), args.context, int(args.kv_budget_gib * GIB),
+                             page_size=args.page_size)
+    else:
+        from llm_core.bench.throughput import throughput
+
+        result = throughput(seed=args.seed, num_requests=args.num_requests)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swallow", description="Hybrid-SWA MoE serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--preset", default="tiny")
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(func=_init_checkpoint)
+
+    bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
+    bench.add_argument("name", choices=["kv", "throughput"])
+    bench.add_argument("--json", action="store_true", help="one-line JSON")
+    bench.add_argument("--preset", default="mimo-v2-flash", help="kv: model shape")
+    bench.add_argument("--context", type=int, default=131072, help="kv: tokens per request")
+    bench.add_argument("--kv-budget-gib", type=float, default=8192.0, help="kv: KV memory budget")
+    bench.add_argument("--page-size", type=int, default=16, help="kv: full-pool page size")
+    bench.add_argument("--num-requests", type=int, default=32, help="throughput: requests")
+    bench.add_argument("--seed", type=int, default=0, help="throughput: workload seed")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -71,13 +71,17 @@ class SWAKVPool(PageAllocator):
 
 @dataclass
 class SequenceView:
-    """Where one request's KV lives. Positions [0, num_tokens) have KV slots."""
+    """Where one request's KV lives. Positions [0, num_tokens) have KV slots.
+
+    The live SWA pages always cover one contiguous run of logical pages
+    (``swa_base`` onward), so growing and releasing are list slices.
+    """
 
     full_page_size: int
     swa_page_size: int
     full_pages: list[int] = field(default_factory=list)
-    # Logical SWA page (position // swa_page_size) -> physical page, live window only.
-    swa_pages: dict[int, int] = field(default_factory=dict)
+    swa_base: int = 0  # logical page (position // swa_page_size) of swa_pages[0]
+    swa_pages: list[int] = field(default_factory=list)
     num_tokens: int = 0
 
     def full_slots(self, start: int, end: int) -> list[int]:
@@ -86,15 +90,17 @@ class SequenceView:
 
     def swa_slots(self, start: int, end: int) -> list[int]:
         ps = self.swa_page_size
-        try:
-            return [self.swa_pages[p // ps] * ps + p % ps for p in range(start, end)]
-        except KeyError as exc:
-            raise KeyError(f"position {exc.args[0] * ps}.. has no live SWA slot") from None
+        if start < self.first_swa_pos or end > self.swa_end_pos:
+            raise KeyError(f"positions [{start}, {end}) are not all in the live SWA window")
+        return [self.swa_pages[p // ps - self.swa_base] * ps + p % ps for p in range(start, end)]
 
     @property
     def first_swa_pos(self) -> int:
-        """Lowest position whose SWA page is still held."""
-        return min(self.swa_pages, default=self.num_tokens // self.swa_page_size) * self.swa_page_size
+        return self.swa_base * self.swa_page_size
+
+    @property
+    def swa_end_pos(self) -> int:
+        return (self.swa_base + len(self.swa_pages)) * self.swa_page_size
 
     @property
     def swa_slots_held(self) -> int:
@@ -122,53 +128,50 @@ class KVAllocator:
     # ------------------------------------------------------------- planning
     def pages_needed(self, view: SequenceView, new_len: int) -> tuple[int, int]:
         """(full pages, SWA pages) to allocate to grow ``view`` to ``new_len``
-        tokens, after the SWA pages it can release first are returned."""
+        tokens, once the SWA pages that left the window are returned."""
         full_needed = max(0, -(-new_len // self.full.page_size) - len(view.full_pages))
-        first_live = self._first_live_page(view.num_tokens)
-        wanted = range(first_live, -(-new_len // self.swa.page_size))
-        swa_needed = sum(1 for p in wanted if p not in view.swa_pages)
+        first_live = max(self._first_live_page(view.num_tokens), view.swa_base)
+        held_live = max(0, view.swa_base + len(view.swa_pages) - first_live)
+        swa_needed = max(0, -(-new_len // self.swa.page_size) - first_live - held_live)
         return full_needed, swa_needed
 
-    def can_grow(self, view: SequenceView, new_len: int, reserve_full: int = 0, reserve_swa: int = 0) -> bool:
+    def can_grow(self, view: SequenceView, new_len: int) -> bool:
         full_needed, swa_needed = self.pages_needed(view, new_len)
-        releasable = self._releasable(view, view.num_tokens)
-        return (
-            full_needed + reserve_full <= self.full.free_pages
-            and swa_needed + reserve_swa <= self.swa.free_pages + len(releasable)
-        )
+        releasable = self._num_releasable(view, view.num_tokens)
+        return full_needed <= self.full.free_pages and swa_needed <= self.swa.free_pages + releasable
 
     # ----------------------------------------------------------- mutations
     def grow(self, view: SequenceView, new_len: int) -> None:
         """Give positions [view.num_tokens, new_len) slots in both pools.
 
-        The SWA pages still needed are those covering the window of the
-        first new query onward, so pages that left the window before this
-        chunk are released first.
+        SWA pages that left the window of the first new query are released
+        first, so a chunk holds at most window + chunk SWA slots.
         """
         if not self.can_grow(view, new_len):
             raise MemoryError(f"cannot grow sequence to {new_len} tokens")
         self.release_out_of_window(view, view.num_tokens)
         full_needed, swa_needed = self.pages_needed(view, new_len)
         view.full_pages.extend(self.full.allocate(full_needed))
-        fresh = iter(self.swa.allocate(swa_needed))
-        for logical in range(self._first_live_page(view.num_tokens), -(-new_len // self.swa.page_size)):
-            if logical not in view.swa_pages:
-                view.swa_pages[logical] = next(fresh)
+        if not view.swa_pages:
+            view.swa_base = self._first_live_page(view.num_tokens)
+        view.swa_pages.extend(self.swa.allocate(swa_needed))
         view.num_tokens = new_len
 
     def release_out_of_window(self, view: SequenceView, next_query_pos: int) -> int:
         """Return SWA pages that no query at ``next_query_pos`` or later can see."""
-        pages = self._releasable(view, next_query_pos)
-        for logical in pages:
-            del view.swa_pages[logical]
-        self.swa.release([p for p in pages.values()])
-        return len(pages)
+        n = self._num_releasable(view, next_query_pos)
+        if n:
+            self.swa.release(view.swa_pages[:n])
+            del view.swa_pages[:n]
+            view.swa_base += n
+        return n
 
     def free(self, view: SequenceView) -> None:
         self.full.release(view.full_pages)
-        self.swa.release(list(view.swa_pages.values()))
+        self.swa.release(view.swa_pages)
         view.full_pages = []
-        view.swa_pages = {}
+        view.swa_pages = []
+        view.swa_base = 0
         view.num_tokens = 0
 
     def truncate(self, view: SequenceView, new_len: int) -> None:
@@ -176,9 +179,9 @@ class KVAllocator:
         keep_full = -(-new_len // self.full.page_size)
         self.full.release(view.full_pages[keep_full:])
         del view.full_pages[keep_full:]
-        keep_swa = -(-new_len // self.swa.page_size)
-        for logical in [p for p in view.swa_pages if p >= keep_swa]:
-            self.swa.release([view.swa_pages.pop(logical)])
+        keep_swa = max(0, -(-new_len // self.swa.page_size) - view.swa_base)
+        self.swa.release(view.swa_pages[keep_swa:])
+        del view.swa_pages[keep_swa:]
         view.num_tokens = min(view.num_tokens, new_len)
 
     # -------------------------------------------------------------- helpers
@@ -187,9 +190,8 @@ class KVAllocator:
             return 0
         return max(0, next_query_pos - self.window + 1) // self.swa.page_size
 
-    def _releasable(self, view: SequenceView, next_query_pos: int) -> dict[int, int]:
-        first_live = self._first_live_page(next_query_pos)
-        return {lp: pp for lp, pp in view.swa_pages.items() if lp < first_live}
+    def _num_releasable(self, view: SequenceView, next_query_pos: int) -> int:
+        return min(len(view.swa_pages), max(0, self._first_live_page(next_query_pos) - view.swa_base))
 
 
 @dataclass(frozen=True)

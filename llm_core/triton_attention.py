@@ -252,7 +252,7 @@ def _launch(
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     assert hq % hkv == 0 and k_cache.shape[2] == d and v_cache.shape[1] == hkv
     group = hq // hkv
-    assert group % heads_per_prog == 0 or heads_per_prog == group
+    assert group % heads_per_prog == 0  # a tile never spans two kv heads
     out = torch.empty((t, hq, dv), dtype=q.dtype, device=q.device)
     max_q = max((n for _, n in batch.q_bounds), default=0)
     if t == 0 or max_q == 0:

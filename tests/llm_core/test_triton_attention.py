@@ -29,12 +29,22 @@ def ta() -> ModuleType:
     """llm_core.triton_attention, imported after TRITON_INTERPRET is set."""
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+    if os.environ.get("TRITON_INTERPRET") == "1" and "triton" in sys.modules:
+        # Triton was imported before the variable was set: its own jit'd
+        # library functions (tl.max, tl.sum, ...) were compiled-mode objects
+        # the interpreter cannot call, so re-decorate them first.
+        import triton.language
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(triton.language.standard.max, InterpretedFunction):
+            importlib.reload(triton.language.standard)
+            importlib.reload(triton.language)
     name = "llm_core.triton_attention"
     module = sys.modules.get(name)
     if module is None:
         return importlib.import_module(name)
-    # Imported earlier by someone else, maybe before the variable was set:
-    # a reload re-decorates the kernel under the current setting.
+    # Imported earlier, maybe before the variable was set: a reload
+    # re-decorates the kernel under the current setting.
     return importlib.reload(module)
 
 

@@ -1,0 +1,1 @@
+"""`swallow bench NAME`: benchmarks that print one JSON object with their baseline."""

@@ -1,0 +1,82 @@
+"""Generation throughput of this engine against transformers' batched,
+padded ``generate`` on the same small random checkpoint (CPU)."""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llm_core.checkpoint import write_random_checkpoint
+from llm_core.llm import LLM
+from llm_core.presets import tiny
+from llm_core.sampling import SamplingParams
+
+
+def make_workload(num_requests: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 512))] for _ in range(num_requests)]
+    outputs = [rng.randint(16, 256) for _ in range(num_requests)]
+    return prompts, outputs
+
+
+def run_swallow(model_dir: Path, prompts: list[list[int]], out_lens: list[int]) -> tuple[float, list[list[int]]]:
+    llm = LLM(model_dir)
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    return time.perf_counter() - start, [o.token_ids for o in outputs]
+
+
+def run_transformers(model_dir: Path, prompts: list[list[int]], out_lens: list[int]) -> tuple[float, list[list[int]]]:
+    try:
+        from transformers import MiMoV2FlashForCausalLM
+    except ImportError as exc:  # a dev dependency: the baseline of this benchmark only
+        raise RuntimeError("the throughput benchmark needs transformers (pip install -e '.[dev]')") from exc
+    model = MiMoV2FlashForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    longest = max(len(p) for p in prompts)
+    # One padded batch, left-padded as decoder-only generation requires.
+    input_ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):
+        input_ids[i, longest - len(p) :] = torch.tensor(p)
+        mask[i, longest - len(p) :] = 1
+    new = max(out_lens)
+    with torch.no_grad():
+        model.generate(input_ids[:1, -16:], attention_mask=mask[:1, -16:], max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+        elapsed = time.perf_counter() - start
+    return elapsed, [out[i, longest : longest + n].tolist() for i, n in enumerate(out_lens)]
+
+
+def throughput(seed: int = 0, num_requests: int = 32) -> dict[str, Any]:
+    config = tiny()
+    prompts, out_lens = make_workload(num_requests, config.vocab_size, seed)
+    useful = sum(out_lens)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_checkpoint(Path(tmp) / "model", config, seed=seed)
+        ours_s, ours = run_swallow(model_dir, prompts, out_lens)
+        theirs_s, theirs = run_transformers(model_dir, prompts, out_lens)
+    # Left padding changes the reference's float rounding; report agreement rather than assert it.
+    first = min(8, *out_lens)
+    agree = sum(a[:first] == b[:first] for a, b in zip(ours, theirs)) / num_requests
+    return {
+        "model": "tiny (random weights)",
+        "num_requests": num_requests,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tokens": useful,
+        "swallow_seconds": round(ours_s, 3),
+        "transformers_seconds": round(theirs_s, 3),
+        "swallow_tokens_per_s": round(useful / ours_s, 1),
+        "transformers_tokens_per_s": round(useful / theirs_s, 1),
+        "ratio": round(theirs_s / ours_s, 3),
+        "first_tokens_agreement": agree,
+    }
