@@ -50,25 +50,36 @@ def attention_reference(
     window, ``q_pos - k_pos < sliding_window``. A sink is a per-head logit
     that joins the softmax denominator and contributes no value.
     """
-    n_rep = q.shape[1] // k.shape[1]
-    scale = q.shape[-1] ** -0.5
-    kh = k.transpose(0, 1).repeat_interleave(n_rep, dim=0)  # [Hq, m, D]
-    vh = v.transpose(0, 1).repeat_interleave(n_rep, dim=0)  # [Hq, m, Dv]
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    scale = d**-0.5
+    # Grouped heads: query head h uses KV head h // group, without copying K/V.
+    kh = k.permute(1, 0, 2)[:, None]  # [Hkv, 1, m, D]
+    vh = v.permute(1, 0, 2)[:, None]  # [Hkv, 1, m, Dv]
+    sink_logits = None if sinks is None else sinks.view(hkv, group, 1, 1)
     outputs = []
-    for start in range(0, q.shape[0], _QUERY_BLOCK):
-        qb = q[start : start + _QUERY_BLOCK].transpose(0, 1)  # [Hq, b, D]
+    for start in range(0, n, _QUERY_BLOCK):
+        qb = q[start : start + _QUERY_BLOCK]
+        b = qb.shape[0]
+        qg = qb.view(b, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, b, D]
         pos = q_pos[start : start + _QUERY_BLOCK]
-        scores = torch.matmul(qb, kh.transpose(1, 2)) * scale  # [Hq, b, m]
         visible = k_pos[None, :] <= pos[:, None]
         if sliding_window is not None:
             visible &= (pos[:, None] - k_pos[None, :]) < sliding_window
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        if sinks is not None:
-            sink_col = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
-            scores = torch.cat((scores, sink_col), dim=-1)
-        scores = scores - scores.amax(dim=-1, keepdim=True)
-        probs = torch.softmax(scores, dim=-1)
-        if sinks is not None:
-            probs = probs[..., :-1]
-        outputs.append(torch.matmul(probs.to(vh.dtype), vh).transpose(0, 1))  # [b, Hq, Dv]
+        scores = torch.matmul(qg, kh.transpose(-1, -2)) * scale  # [Hkv, G, b, m]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = softmax_with_sinks(scores, sink_logits)
+        out = torch.matmul(probs.to(vh.dtype), vh)  # [Hkv, G, b, Dv]
+        outputs.append(out.permute(2, 0, 1, 3).reshape(b, hq, -1))
     return torch.cat(outputs, dim=0)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sink_logits: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim; a sink logit joins the denominator only."""
+    if sink_logits is not None:
+        sink_col = sink_logits.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        scores = torch.cat((scores, sink_col), dim=-1)
+    scores = scores - scores.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(scores, dim=-1)
+    return probs[..., :-1] if sink_logits is not None else probs

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_core.attention import attention_reference
+from llm_core.attention import softmax_with_sinks, attention_reference
 from llm_core.config import AttentionSpec, ModelConfig
 
 
@@ -32,6 +32,11 @@ class PagedBatch:
     # Host copies of the per-request boundaries, so the torch path does not sync.
     q_bounds: tuple[tuple[int, int], ...]
     kv_bounds: tuple[tuple[int, int, int], ...]  # (start, len, first_pos)
+    # Requests with a single query (decode), padded to one [B, L] slot table
+    # so the torch path attends for all of them at once.
+    decode_rows: torch.Tensor  # [Bd] query row of each
+    decode_slots: torch.Tensor  # [Bd, Lmax] int64, padded with slot 0
+    decode_key_pos: torch.Tensor  # [Bd, Lmax] int64, -1 where padded
 
     @staticmethod
     def build(
@@ -56,6 +61,15 @@ class PagedBatch:
         def i64(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        decode = [b for b, (_, n) in enumerate(q_ranges) if n == 1]
+        width = max((len(kv_slot_lists[b]) for b in decode), default=0)
+        decode_slots = [kv_slot_lists[b] + [0] * (width - len(kv_slot_lists[b])) for b in decode]
+        decode_key_pos = [
+            list(range(kv_first_positions[b], kv_first_positions[b] + len(kv_slot_lists[b])))
+            + [-1] * (width - len(kv_slot_lists[b]))
+            for b in decode
+        ]
+
         return PagedBatch(
             q_pos=i64([p for start, n in q_ranges for p in range(start, start + n)]),
             q_start=i32([b[0] for b in q_bounds]),
@@ -67,6 +81,9 @@ class PagedBatch:
             write_slots=i64([s for slots in write_slot_lists for s in slots]),
             q_bounds=tuple(q_bounds),
             kv_bounds=tuple(kv_bounds),
+            decode_rows=i64([q_bounds[b][0] for b in decode]),
+            decode_slots=i64(decode_slots).view(len(decode), width),
+            decode_key_pos=i64(decode_key_pos).view(len(decode), width),
         )
 
 
@@ -81,23 +98,53 @@ def paged_attention_torch(
     """Reference: gather each request's keys from the pool and attend.
 
     q [T, Hq, D]; k_cache [S, Hkv, D]; v_cache [S, Hkv, Dv] -> [T, Hq, Dv].
+    Decode rows go through one padded batched product; extend chunks one
+    request at a time.
     """
-    outputs = []
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    if batch.decode_rows.numel():
+        out[batch.decode_rows] = _decode_attention_torch(
+            q[batch.decode_rows], k_cache, v_cache, batch, sliding_window, sinks
+        )
     for (q0, nq), (k0, nk, first) in zip(batch.q_bounds, batch.kv_bounds):
+        if nq == 1:
+            continue
         slots = batch.kv_slots[k0 : k0 + nk]
         k_pos = torch.arange(first, first + nk, device=q.device)
-        outputs.append(
-            attention_reference(
-                q[q0 : q0 + nq],
-                k_cache[slots],
-                v_cache[slots],
-                batch.q_pos[q0 : q0 + nq],
-                k_pos,
-                sliding_window,
-                sinks,
-            )
+        out[q0 : q0 + nq] = attention_reference(
+            q[q0 : q0 + nq], k_cache[slots], v_cache[slots], batch.q_pos[q0 : q0 + nq], k_pos, sliding_window, sinks
         )
-    return torch.cat(outputs, dim=0)
+    return out
+
+
+def _decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    keys = k_cache[batch.decode_slots]  # [B, L, Hkv, D]
+    # Padding reads slot 0, which may hold anything: zero it so 0 * value stays 0.
+    values = v_cache[batch.decode_slots].masked_fill(
+        (batch.decode_key_pos < 0)[:, :, None, None], 0.0
+    )  # [B, L, Hkv, Dv]
+    qg = q.view(b, hkv, group, d)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * d**-0.5
+    q_pos = batch.q_pos[batch.decode_rows][:, None]
+    key_pos = batch.decode_key_pos
+    visible = (key_pos >= 0) & (key_pos <= q_pos)
+    if sliding_window is not None:
+        visible &= (q_pos - key_pos) < sliding_window
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    sink_logits = None if sinks is None else sinks.view(1, hkv, group, 1)
+    probs = softmax_with_sinks(scores, sink_logits)
+    out = torch.einsum("bhgl,blhd->bhgd", probs.to(values.dtype), values)
+    return out.reshape(b, hq, -1)
 
 
 class KVCacheTensors:
