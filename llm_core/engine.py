@@ -54,6 +54,16 @@ class _Sampling:
     generator: torch.Generator | None
 
 
+def page_slots(pages: list[int], base_page: int, page_size: int, start: int, end: int) -> torch.Tensor:
+    """Slots of positions [start, end) given the physical pages of logical
+    pages base_page, base_page + 1, ... (vectorised: sequences are long)."""
+    first_page = start // page_size
+    used = torch.tensor(pages[first_page - base_page : -(-end // page_size) - base_page], dtype=torch.int64)
+    slots = (used[:, None] * page_size + torch.arange(page_size)).flatten()
+    offset = start - first_page * page_size
+    return slots[offset : offset + end - start]
+
+
 def resolve_attention(impl: AttentionImpl, device: torch.device) -> AttentionFn:
     if impl == "triton" or (impl == "auto" and device.type == "cuda"):
         from llm_core.triton_attention import paged_attention_triton
@@ -155,11 +165,14 @@ class Engine:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.length
             tokens.extend(seq.token_slice(start, end))
             q_ranges.append((start, chunk.length))
-            full_slots.append(seq.view.full_slots(0, end))
+            view = seq.view
+            full_slots.append(page_slots(view.full_pages, 0, view.full_page_size, 0, end))
             full_write.append(full_slots[-1][start:])
             first = max(0, start - self.window + 1)
+            if first < view.first_swa_pos:
+                raise RuntimeError(f"request {seq.request_id}: SWA window from {first} is no longer held")
             swa_first.append(first)
-            swa_slots.append(seq.view.swa_slots(first, end))
+            swa_slots.append(page_slots(view.swa_pages, view.swa_base, view.swa_page_size, first, end))
             swa_write.append(swa_slots[-1][start - first :])
         full_batch = PagedBatch.build(q_ranges, full_slots, [0] * len(chunks), full_write, self.device)
         swa_batch = PagedBatch.build(q_ranges, swa_slots, swa_first, swa_write, self.device)

@@ -8,7 +8,7 @@ position of the first of them: keys have consecutive positions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +41,18 @@ class PagedBatch:
     @staticmethod
     def build(
         q_ranges: list[tuple[int, int]],
-        kv_slot_lists: list[list[int]],
+        kv_slot_lists: Sequence[Sequence[int] | torch.Tensor],
         kv_first_positions: list[int],
-        write_slot_lists: list[list[int]],
+        write_slot_lists: Sequence[Sequence[int] | torch.Tensor],
         device: torch.device | str,
     ) -> PagedBatch:
-        """q_ranges: per request (first query position, number of queries)."""
+        """q_ranges: per request (first query position, number of queries).
+        Slot lists may be host int64 tensors (cheap for long sequences)."""
+        kv = [torch.as_tensor(s, dtype=torch.int64) for s in kv_slot_lists]
+        writes = [torch.as_tensor(s, dtype=torch.int64) for s in write_slot_lists]
         q_bounds, kv_bounds = [], []
         q_off = kv_off = 0
-        for (_, n), slots, first in zip(q_ranges, kv_slot_lists, kv_first_positions):
+        for (_, n), slots, first in zip(q_ranges, kv, kv_first_positions):
             q_bounds.append((q_off, n))
             kv_bounds.append((kv_off, len(slots), first))
             q_off += n
@@ -58,32 +61,36 @@ class PagedBatch:
         def i32(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
-        def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+        def i64(values: list[int] | torch.Tensor) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=torch.int64).to(device)
+
+        def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return i64(torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int64))
 
         decode = [b for b, (_, n) in enumerate(q_ranges) if n == 1]
-        width = max((len(kv_slot_lists[b]) for b in decode), default=0)
-        decode_slots = [kv_slot_lists[b] + [0] * (width - len(kv_slot_lists[b])) for b in decode]
-        decode_key_pos = [
-            list(range(kv_first_positions[b], kv_first_positions[b] + len(kv_slot_lists[b])))
-            + [-1] * (width - len(kv_slot_lists[b]))
-            for b in decode
-        ]
-
+        if decode:
+            decode_slots = torch.nn.utils.rnn.pad_sequence([kv[b] for b in decode], batch_first=True)
+            lengths = torch.tensor([len(kv[b]) for b in decode])
+            offsets = torch.arange(decode_slots.shape[1])
+            firsts = torch.tensor([kv_first_positions[b] for b in decode])
+            decode_key_pos = torch.where(offsets < lengths[:, None], firsts[:, None] + offsets, -1)
+        else:
+            decode_slots = decode_key_pos = torch.zeros(0, 0, dtype=torch.int64)
+        q_pos = [torch.arange(start, start + n) for start, n in q_ranges]
         return PagedBatch(
-            q_pos=i64([p for start, n in q_ranges for p in range(start, start + n)]),
+            q_pos=cat(q_pos),
             q_start=i32([b[0] for b in q_bounds]),
             q_len=i32([b[1] for b in q_bounds]),
-            kv_slots=i64([s for slots in kv_slot_lists for s in slots]),
+            kv_slots=cat(kv),
             kv_start=i32([b[0] for b in kv_bounds]),
             kv_len=i32([b[1] for b in kv_bounds]),
             kv_first_pos=i64(kv_first_positions),
-            write_slots=i64([s for slots in write_slot_lists for s in slots]),
+            write_slots=cat(writes),
             q_bounds=tuple(q_bounds),
             kv_bounds=tuple(kv_bounds),
             decode_rows=i64([q_bounds[b][0] for b in decode]),
-            decode_slots=i64(decode_slots).view(len(decode), width),
-            decode_key_pos=i64(decode_key_pos).view(len(decode), width),
+            decode_slots=i64(decode_slots),
+            decode_key_pos=i64(decode_key_pos),
         )
 
 
