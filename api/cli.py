@@ -62,7 +62,7 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         from llm_core.bench.throughput import throughput
 
-        result = throughput(seed=args.seed, num_requests=args.num_requests)
+        result = throughput(seed=args.seed, num_requests=args.num_requests, repeats=args.repeats)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--page-size", type=int, default=16, help="kv: full-pool page size")
     bench.add_argument("--num-requests", type=int, default=32, help="throughput: requests")
     bench.add_argument("--seed", type=int, default=0, help="throughput: workload seed")
+    bench.add_argument("--repeats", type=int, default=2, help="throughput: best of N runs per side")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -107,21 +107,32 @@ class RoutedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
-        out = torch.zeros_like(x)
+        num_slots = expert_ids.numel()
         flat_ids = expert_ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        sorted_ids = flat_ids[order]
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)
         token_of = order // expert_ids.shape[1]
-        slot_weights = weights.reshape(-1)[order]
+        slot_weights = weights.reshape(-1)[order, None]
+        widest = int(counts.max())
+        if self.num_experts * widest <= 2 * num_slots:
+            # Tokens spread evenly (small batches, decode): one padded batched
+            # product over all experts beats a Python loop over them.
+            rank = torch.arange(num_slots, device=x.device) - (counts.cumsum(0) - counts)[sorted_ids]
+            packed = x.new_zeros(self.num_experts, widest, x.shape[1])
+            packed[sorted_ids, rank] = x[token_of]
+            gate, up = torch.bmm(packed, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+            h = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))[sorted_ids, rank]
+            return torch.zeros_like(x).index_add_(0, token_of, h * slot_weights.to(h.dtype))
+        out = torch.zeros_like(x)
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(counts.tolist()):
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
             gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
             h = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            h = h * slot_weights[start : start + count, None].to(h.dtype)
-            out.index_add_(0, tokens, h)
+            out.index_add_(0, tokens, h * slot_weights[start : start + count].to(h.dtype))
             start += count
         return out
 
