@@ -179,3 +179,15 @@ def test_mimo_shape_on_cuda(ta: ModuleType, window: int | None, hkv: int, dtype:
     q, k_cache, v_cache, batch, sinks = make_case(decode, 16, hkv, 192, 128, dtype, True, "cuda", seed=4)
     ref = paged_attention_torch(q, k_cache, v_cache, batch, window, sinks)
     check(ta.decode_attention_triton(q, k_cache, v_cache, batch, window, sinks), ref, dtype)
+
+
+def test_engine_on_triton_attention_generates_what_the_torch_path_does(ta: ModuleType, hf_checkpoint) -> None:
+    from llm_core import LLM, SamplingParams
+
+    prompts = [list(range(10, 31)), list(range(40, 52)), [7, 8, 9]]
+    params = SamplingParams(max_tokens=6)
+    torch_path = LLM(hf_checkpoint, attention="torch", chunked_prefill_size=8)
+    triton_path = LLM(hf_checkpoint, attention="triton", chunked_prefill_size=8)
+    assert triton_path.engine.attention_fn is ta.paged_attention_triton
+    expected = [o.token_ids for o in torch_path.generate(prompts, params)]
+    assert [o.token_ids for o in triton_path.generate(prompts, params)] == expected
