@@ -26,7 +26,6 @@ AttentionImpl = Literal["auto", "torch", "triton"]
 class EngineConfig:
     kv_budget_bytes: int = 256 << 20
     page_size: int = 16
-    swa_page_size: int = 1
     swa_mode: SWAMode = "hybrid"
     max_running_requests: int = 64
     max_num_batched_tokens: int = 4096
@@ -85,7 +84,8 @@ class Engine:
             config.kv_budget_bytes,
             probe.full_bytes_per_token,
             probe.swa_bytes_per_token,
-            self.window + config.swa_page_size - 1,
+            # Windows are kept from a page boundary: up to a page more per request.
+            self.window + config.page_size - 1,
             config.page_size,
             config.max_running_requests,
             config.max_num_batched_tokens,
@@ -93,7 +93,7 @@ class Engine:
         )
         self.allocator = KVAllocator(
             FullKVPool(sizing.full_tokens // config.page_size, config.page_size),
-            SWAKVPool(sizing.swa_tokens // config.swa_page_size, config.swa_page_size),
+            SWAKVPool(sizing.swa_tokens, 1),
             self.window,
             config.swa_mode,
         )
@@ -169,10 +169,8 @@ class Engine:
             full_slots.append(page_slots(view.full_pages, 0, view.full_page_size, 0, end))
             full_write.append(full_slots[-1][start:])
             first = max(0, start - self.window + 1)
-            if first < view.first_swa_pos:
-                raise RuntimeError(f"request {seq.request_id}: SWA window from {first} is no longer held")
             swa_first.append(first)
-            swa_slots.append(page_slots(view.swa_pages, view.swa_base, view.swa_page_size, first, end))
+            swa_slots.append(torch.tensor(view.swa_slots(first, end), dtype=torch.int64))
             swa_write.append(swa_slots[-1][start - first :])
         full_batch = PagedBatch.build(q_ranges, full_slots, [0] * len(chunks), full_write, self.device)
         swa_batch = PagedBatch.build(q_ranges, swa_slots, swa_first, swa_write, self.device)

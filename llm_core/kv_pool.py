@@ -73,125 +73,130 @@ class SWAKVPool(PageAllocator):
 class SequenceView:
     """Where one request's KV lives. Positions [0, num_tokens) have KV slots.
 
-    The live SWA pages always cover one contiguous run of logical pages
-    (``swa_base`` onward), so growing and releasing are list slices.
+    The live SWA slots always cover one contiguous run of positions
+    (``swa_base`` onward, one slot per token), so growing and releasing are
+    list slices. The first ``shared_full_pages`` full pages and the SWA slots
+    of positions below ``shared_swa_end`` belong to the prefix cache: the
+    request reads them but never frees them.
     """
 
     full_page_size: int
-    swa_page_size: int
     full_pages: list[int] = field(default_factory=list)
-    swa_base: int = 0  # logical page (position // swa_page_size) of swa_pages[0]
-    swa_pages: list[int] = field(default_factory=list)
+    swa_base: int = 0  # position of swa_ring[0]
+    swa_ring: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    shared_full_pages: int = 0
+    shared_swa_end: int = 0
 
     def full_slots(self, start: int, end: int) -> list[int]:
         ps = self.full_page_size
         return [self.full_pages[p // ps] * ps + p % ps for p in range(start, end)]
 
     def swa_slots(self, start: int, end: int) -> list[int]:
-        ps = self.swa_page_size
-        if start < self.first_swa_pos or end > self.swa_end_pos:
+        if start < self.swa_base or end > self.swa_end_pos:
             raise KeyError(f"positions [{start}, {end}) are not all in the live SWA window")
-        return [self.swa_pages[p // ps - self.swa_base] * ps + p % ps for p in range(start, end)]
-
-    @property
-    def first_swa_pos(self) -> int:
-        return self.swa_base * self.swa_page_size
+        return self.swa_ring[start - self.swa_base : end - self.swa_base]
 
     @property
     def swa_end_pos(self) -> int:
-        return (self.swa_base + len(self.swa_pages)) * self.swa_page_size
+        return self.swa_base + len(self.swa_ring)
 
     @property
     def swa_slots_held(self) -> int:
-        return len(self.swa_pages) * self.swa_page_size
+        """SWA slots this request owns (cache-owned ones are counted by the cache)."""
+        return self.swa_end_pos - max(self.swa_base, self.shared_swa_end)
 
 
 class KVAllocator:
     """Grows and shrinks sequence views over the two pools.
 
     ``window`` is the number of keys a query sees, itself included, so a
-    query at position p needs KV for positions [p - window + 1, p]. In
-    ``swa_mode="full"`` SWA layers keep the whole sequence (the baseline of
-    engines without SWA support): their pages are never released early.
+    query at position p needs KV for positions [p - window + 1, p]. SWA slots
+    are kept from one full page before that point, page-aligned, so that a
+    request ending anywhere still holds the window before its last full page
+    (what a prefix-cache checkpoint needs). In ``swa_mode="full"`` SWA layers
+    keep the whole sequence, as engines without SWA support do.
     """
 
     def __init__(self, full: FullKVPool, swa: SWAKVPool, window: int, swa_mode: SWAMode = "hybrid") -> None:
+        if swa.page_size != 1:
+            raise ValueError("the SWA pool holds one token per slot")
         self.full = full
         self.swa = swa
         self.window = window
         self.swa_mode = swa_mode
 
     def new_view(self) -> SequenceView:
-        return SequenceView(self.full.page_size, self.swa.page_size)
+        return SequenceView(self.full.page_size)
+
+    def first_live_pos(self, next_query_pos: int) -> int:
+        """Lowest position whose SWA KV a query at ``next_query_pos`` or later may need."""
+        if self.swa_mode == "full":
+            return 0
+        ps = self.full.page_size
+        return max(0, (next_query_pos // ps * ps - (self.window - 1)) // ps * ps)
 
     # ------------------------------------------------------------- planning
     def pages_needed(self, view: SequenceView, new_len: int) -> tuple[int, int]:
-        """(full pages, SWA pages) to allocate to grow ``view`` to ``new_len``
-        tokens, once the SWA pages that left the window are returned."""
+        """(full pages, SWA slots) to allocate to grow ``view`` to ``new_len``."""
         full_needed = max(0, -(-new_len // self.full.page_size) - len(view.full_pages))
-        first_live = max(self._first_live_page(view.num_tokens), view.swa_base)
-        held_live = max(0, view.swa_base + len(view.swa_pages) - first_live)
-        swa_needed = max(0, -(-new_len // self.swa.page_size) - first_live - held_live)
-        return full_needed, swa_needed
+        start = max(self.first_live_pos(view.num_tokens), view.swa_end_pos if view.swa_ring else 0)
+        return full_needed, max(0, new_len - start)
 
     def can_grow(self, view: SequenceView, new_len: int) -> bool:
         full_needed, swa_needed = self.pages_needed(view, new_len)
-        releasable = self._num_releasable(view, view.num_tokens)
+        releasable = self._num_releasable_owned(view, view.num_tokens)
         return full_needed <= self.full.free_pages and swa_needed <= self.swa.free_pages + releasable
 
     # ----------------------------------------------------------- mutations
     def grow(self, view: SequenceView, new_len: int) -> None:
         """Give positions [view.num_tokens, new_len) slots in both pools.
 
-        SWA pages that left the window of the first new query are released
-        first, so a chunk holds at most window + chunk SWA slots.
+        SWA slots that left the window of the first new query are released
+        first, so a chunk holds at most window + chunk + page SWA slots.
         """
         if not self.can_grow(view, new_len):
             raise MemoryError(f"cannot grow sequence to {new_len} tokens")
         self.release_out_of_window(view, view.num_tokens)
         full_needed, swa_needed = self.pages_needed(view, new_len)
         view.full_pages.extend(self.full.allocate(full_needed))
-        if not view.swa_pages:
-            view.swa_base = self._first_live_page(view.num_tokens)
-        view.swa_pages.extend(self.swa.allocate(swa_needed))
+        if not view.swa_ring:
+            view.swa_base = new_len - swa_needed
+        view.swa_ring.extend(self.swa.allocate(swa_needed))
         view.num_tokens = new_len
 
     def release_out_of_window(self, view: SequenceView, next_query_pos: int) -> int:
-        """Return SWA pages that no query at ``next_query_pos`` or later can see."""
-        n = self._num_releasable(view, next_query_pos)
+        """Drop SWA slots no query at ``next_query_pos`` or later can see; the
+        request's own go back to the pool. Returns how many were dropped."""
+        n = min(len(view.swa_ring), max(0, self.first_live_pos(next_query_pos) - view.swa_base))
         if n:
-            self.swa.release(view.swa_pages[:n])
-            del view.swa_pages[:n]
+            owned_from = max(0, view.shared_swa_end - view.swa_base)
+            self.swa.release(view.swa_ring[owned_from:n])
+            del view.swa_ring[:n]
             view.swa_base += n
         return n
 
     def free(self, view: SequenceView) -> None:
-        self.full.release(view.full_pages)
-        self.swa.release(view.swa_pages)
+        """Return everything the request owns."""
+        self.full.release(view.full_pages[view.shared_full_pages :])
+        self.swa.release(view.swa_ring[max(0, view.shared_swa_end - view.swa_base) :])
         view.full_pages = []
-        view.swa_pages = []
-        view.swa_base = 0
-        view.num_tokens = 0
+        view.swa_ring = []
+        view.swa_base = view.num_tokens = view.shared_full_pages = view.shared_swa_end = 0
 
     def truncate(self, view: SequenceView, new_len: int) -> None:
         """Forget positions >= new_len (rejected speculative tokens)."""
-        keep_full = -(-new_len // self.full.page_size)
+        keep_full = max(-(-new_len // self.full.page_size), view.shared_full_pages)
         self.full.release(view.full_pages[keep_full:])
         del view.full_pages[keep_full:]
-        keep_swa = max(0, -(-new_len // self.swa.page_size) - view.swa_base)
-        self.swa.release(view.swa_pages[keep_swa:])
-        del view.swa_pages[keep_swa:]
+        keep_swa = max(0, new_len - view.swa_base)
+        self.swa.release(view.swa_ring[keep_swa:])
+        del view.swa_ring[keep_swa:]
         view.num_tokens = min(view.num_tokens, new_len)
 
-    # -------------------------------------------------------------- helpers
-    def _first_live_page(self, next_query_pos: int) -> int:
-        if self.swa_mode == "full":
-            return 0
-        return max(0, next_query_pos - self.window + 1) // self.swa.page_size
-
-    def _num_releasable(self, view: SequenceView, next_query_pos: int) -> int:
-        return min(len(view.swa_pages), max(0, self._first_live_page(next_query_pos) - view.swa_base))
+    def _num_releasable_owned(self, view: SequenceView, next_query_pos: int) -> int:
+        end = min(view.swa_end_pos, self.first_live_pos(next_query_pos))
+        return max(0, end - max(view.swa_base, view.shared_swa_end))
 
 
 @dataclass(frozen=True)

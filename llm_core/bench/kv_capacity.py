@@ -54,7 +54,9 @@ def kv_capacity(
     expected = max(1, budget_bytes // hybrid_bytes)
     results: dict[str, Any] = {}
     for mode in ("hybrid", "full"):
-        sizing = PoolSizing.from_budget(budget_bytes, full_bpt, swa_bpt, window, page_size, expected, chunk, mode)
+        sizing = PoolSizing.from_budget(
+            budget_bytes, full_bpt, swa_bpt, window + page_size - 1, page_size, expected, chunk, mode
+        )
         allocator = KVAllocator(
             FullKVPool(sizing.full_tokens // page_size, page_size), SWAKVPool(sizing.swa_tokens, 1), window, mode
         )

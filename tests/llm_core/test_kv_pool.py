@@ -15,21 +15,23 @@ def _allocator(window: int = 9, full_pages: int = 64, swa_slots: int = 64, mode:
 
 
 def test_full_slots_grow_and_swa_slots_stay_within_the_window() -> None:
-    alloc = _allocator(window=9)
+    alloc = _allocator(window=9)  # W = 8, pages of 4
     view = alloc.new_view()
     peak = 0
     for pos in range(100):  # one token at a time, as in decode
         alloc.grow(view, pos + 1)
         peak = max(peak, view.swa_slots_held)
         alloc.release_out_of_window(view, pos + 1)
-        assert view.swa_slots_held <= 8  # W previous tokens once the step is done
-    assert peak == 9  # W + the token being computed
+        # The W tokens before the last page boundary onward: at most W + page - 1.
+        assert 8 <= view.swa_slots_held <= 8 + 3 or pos < 8
+        assert view.swa_base == max(0, ((pos + 1) // 4 * 4 - 8))
+    assert peak == 8 + 4  # W + page, the token being computed included
     assert len(view.full_pages) == 25
     # Positions map to distinct slots; the live window is addressable.
     assert len(set(view.full_slots(0, 100))) == 100
     assert len(view.swa_slots(92, 100)) == 8
     with pytest.raises(KeyError):
-        view.swa_slots(90, 100)
+        view.swa_slots(80, 100)
 
 
 def test_chunked_prefill_holds_window_plus_chunk() -> None:
@@ -37,7 +39,7 @@ def test_chunked_prefill_holds_window_plus_chunk() -> None:
     view = alloc.new_view()
     for end in range(32, 321, 32):
         alloc.grow(view, end)
-        assert view.swa_slots_held <= 8 + 32
+        assert view.swa_slots_held <= 8 + 32 + 4
         alloc.release_out_of_window(view, end)
 
 
@@ -49,7 +51,8 @@ def test_free_returns_everything_and_full_mode_keeps_swa() -> None:
             alloc.grow(v, 50)
             alloc.release_out_of_window(v, 50)
         held = sum(v.swa_slots_held for v in views)
-        assert held == (3 * 50 if mode == "full" else 3 * 8)
+        # Hybrid keeps the W=8 tokens before the last page boundary (48) onward.
+        assert held == (3 * 50 if mode == "full" else 3 * 10)
         for v in views:
             alloc.free(v)
         assert alloc.full.free_slots == alloc.full.capacity
@@ -57,15 +60,17 @@ def test_free_returns_everything_and_full_mode_keeps_swa() -> None:
 
 
 def test_grow_refuses_when_a_pool_is_exhausted() -> None:
-    alloc = _allocator(full_pages=4, swa_slots=10)
+    alloc = _allocator(full_pages=5, swa_slots=12)
     view = alloc.new_view()
-    assert not alloc.can_grow(view, 17)  # 5 pages of 4
-    assert not alloc.can_grow(view, 11)  # 11 SWA slots
+    assert not alloc.can_grow(view, 21)  # 6 pages of 4
+    assert not alloc.can_grow(view, 13)  # 13 SWA slots
     with pytest.raises(MemoryError):
-        alloc.grow(view, 17)
-    alloc.grow(view, 10)
-    alloc.release_out_of_window(view, 10)
-    assert alloc.can_grow(view, 12)  # released window slots are reusable
+        alloc.grow(view, 21)
+    alloc.grow(view, 12)
+    assert alloc.swa.free_slots == 0
+    alloc.release_out_of_window(view, 12)  # keeps positions 4.. (W=8 before the page at 12)
+    assert alloc.swa.free_slots == 4
+    assert alloc.can_grow(view, 16) and not alloc.can_grow(view, 17)
 
 
 def test_truncate_rolls_back_positions() -> None:
