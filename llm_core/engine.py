@@ -16,6 +16,7 @@ from llm_core.paged_attention import (
     PagedBatch,
     paged_attention_torch,
 )
+from llm_core.prefix_cache import RadixCache
 from llm_core.sampling import SamplingParams, make_generator, sample_token
 from llm_core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence
 
@@ -31,6 +32,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     chunked_prefill_size: int = 1024
     attention: AttentionImpl = "auto"
+    enable_prefix_caching: bool = True
+    # Extra SWA checkpoints every N tokens (besides prompt ends and finished requests).
+    checkpoint_interval: int | None = None
 
     def __post_init__(self) -> None:
         if self.swa_mode not in ("hybrid", "full"):
@@ -98,9 +102,11 @@ class Engine:
             config.swa_mode,
         )
         self.kv = KVCacheTensors(mc, self.allocator.full.capacity, self.allocator.swa.capacity, dtype, device)
+        self.cache = RadixCache(self.allocator, config.checkpoint_interval) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator,
             SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size),
+            self.cache,
         )
         self.attention_fn = resolve_attention(config.attention, device)
         self._sampling: dict[int, _Sampling] = {}
@@ -193,10 +199,23 @@ class Engine:
             del self._sequences[seq.request_id]
         return TokenEvent(seq.request_id, token, reason)
 
+    def flush_cache(self) -> None:
+        """Drop every cached prefix no running request holds."""
+        if self.cache is not None:
+            self.cache.flush()
+
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
         full, swa = self.allocator.full, self.allocator.swa
+        cache = self.cache.stats if self.cache is not None else None
         return {
+            "prefix_cache": None if cache is None else {
+                "cached_prompt_tokens": cache.cached_prompt_tokens,
+                "computed_prompt_tokens": cache.computed_prompt_tokens,
+                "hit_rate": round(cache.hit_rate, 4),
+                "nodes": self.cache.num_nodes,  # type: ignore[union-attr]
+                "swa_slots_cached": self.cache.swa_slots_cached,  # type: ignore[union-attr]
+            },
             "swa_mode": self.config.swa_mode,
             "full_pool": {
                 "capacity_tokens": full.capacity,

@@ -40,7 +40,8 @@ class LLM:
     ) -> None:
         """``engine_options`` are ``EngineConfig`` fields: ``kv_budget_bytes``,
         ``swa_mode``, ``max_running_requests``, ``max_num_batched_tokens``,
-        ``chunked_prefill_size``, ``page_size``, ``attention``."""
+        ``chunked_prefill_size``, ``page_size``, ``attention``,
+        ``enable_prefix_caching``, ``checkpoint_interval``."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.model_dir = Path(model)
@@ -131,6 +132,9 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
 
     def _decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)

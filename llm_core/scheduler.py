@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from llm_core.kv_pool import KVAllocator, SequenceView
+from llm_core.prefix_cache import CacheLock, RadixCache
 
 
 @dataclass
@@ -25,6 +26,11 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the pools
     finish_reason: str | None = None
+    cache_lock: CacheLock | None = None  # set while it holds prefix-cache nodes
+    cached_tokens: int | None = None  # prompt tokens served by the cache at first admission
+
+    def tokens(self, end: int) -> list[int]:
+        return self.token_slice(0, end)
 
     @property
     def num_tokens(self) -> int:
@@ -67,9 +73,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, allocator: KVAllocator, config: SchedulerConfig) -> None:
+    def __init__(self, allocator: KVAllocator, config: SchedulerConfig, cache: RadixCache | None = None) -> None:
         self.allocator = allocator
         self.config = config
+        self.cache = cache
+        self.checkpoint_interval = cache.checkpoint_interval if cache is not None else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -119,14 +127,40 @@ class Scheduler:
         return chunks
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        if self.cache is not None and seq.cache_lock is None:
+            self._match_prefix(seq)
         n = min(seq.num_tokens - seq.num_computed, self.config.chunked_prefill_size, budget)
-        if n < 1 or not self.allocator.can_grow(seq.view, seq.num_computed + n):
+        if n < 1 or not self._has_room(seq.view, seq.num_computed + n):
             return None
         self.allocator.grow(seq.view, seq.num_computed + n)
         return ScheduledChunk(seq, seq.num_computed, n)
 
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Reuse the longest window-safe cached prefix: no copy, no prefill."""
+        assert self.cache is not None
+        keys = self.cache.page_keys(seq.tokens(seq.num_tokens))
+        # At least one token must run to produce the next logits.
+        match = self.cache.match(keys, max_pages=(seq.num_tokens - 1) // self.cache.page_size)
+        seq.cache_lock = self.cache.attach(seq.view, match)
+        seq.num_computed = match.length
+        if seq.cached_tokens is None:
+            seq.cached_tokens = match.length
+            self.cache.stats.cached_prompt_tokens += match.length
+            self.cache.stats.computed_prompt_tokens += len(seq.prompt) - match.length
+
+    def _has_room(self, view: SequenceView, new_len: int) -> bool:
+        """Whether ``view`` can grow, evicting cached prefixes if that helps."""
+        if self.allocator.can_grow(view, new_len):
+            return True
+        if self.cache is None:
+            return False
+        full_needed, swa_needed = self.allocator.pages_needed(view, new_len)
+        self.cache.evict_full(full_needed - self.allocator.full.free_pages)
+        self.cache.evict_swa(swa_needed - self.allocator.swa.free_pages)
+        return self.allocator.can_grow(view, new_len)
+
     def _grow_or_preempt(self, seq: Sequence, new_len: int) -> bool:
-        while not self.allocator.can_grow(seq.view, new_len):
+        while not self._has_room(seq.view, new_len):
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
@@ -135,22 +169,49 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Free a running request's KV; it recomputes prompt + output later."""
-        self.allocator.free(seq.view)
+        """Free a running request's KV; it recomputes prompt + output later
+        (re-matching the prefix cache)."""
+        self._release_kv(seq, insert=False)
         seq.num_computed = 0
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def after_step(self, chunks: list[ScheduledChunk]) -> None:
-        """Advance computed counts and return SWA slots that left the window."""
+        """Advance computed counts, take checkpoints, and return SWA slots
+        that left the window."""
         for chunk in chunks:
-            chunk.seq.num_computed = chunk.start + chunk.length
-            self.allocator.release_out_of_window(chunk.seq.view, chunk.seq.num_computed)
+            seq = chunk.seq
+            seq.num_computed = chunk.start + chunk.length
+            if self.cache is not None:
+                for boundary in self._checkpoints_crossed(seq, chunk.start):
+                    self.cache.insert(seq.view, self.cache.page_keys(seq.tokens(boundary)), boundary,
+                                      seq.cache_lock)  # type: ignore[arg-type]
+            self.allocator.release_out_of_window(seq.view, seq.num_computed)
+
+    def _checkpoints_crossed(self, seq: Sequence, start: int) -> list[int]:
+        """Checkpoint positions reached in this step: the prompt's last full
+        page, and every ``checkpoint_interval`` tokens."""
+        ps = self.allocator.full.page_size
+        points = [len(seq.prompt) // ps * ps]
+        if self.checkpoint_interval:
+            step = self.checkpoint_interval
+            points += range((start // step + 1) * step, seq.num_computed + 1, step)
+        return sorted({p // ps * ps for p in points if start < p <= seq.num_computed and p >= ps})
+
+    def _release_kv(self, seq: Sequence, insert: bool) -> None:
+        if self.cache is not None and seq.cache_lock is not None:
+            if insert:
+                keys = self.cache.page_keys(seq.tokens(seq.num_computed))
+                self.cache.insert(seq.view, keys, seq.num_computed, seq.cache_lock)
+            self.cache.release(seq.cache_lock)
+            seq.cache_lock = None
+        self.allocator.free(seq.view)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """End a request (done or aborted); what it computed goes to the cache."""
         seq.finish_reason = reason
-        self.allocator.free(seq.view)
+        self._release_kv(seq, insert=True)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

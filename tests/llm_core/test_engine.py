@@ -31,6 +31,7 @@ def reference(hf_model) -> list[list[int]]:
 
 
 def _assert_pools_full(llm: LLM) -> None:
+    llm.flush_cache()
     stats = llm.stats()
     for pool in ("full_pool", "swa_pool"):
         assert stats[pool]["free_tokens"] == stats[pool]["capacity_tokens"], stats
