@@ -76,17 +76,20 @@ class RadixCache:
         checkpoint_interval: int | None = None,
         keep_all_swa: bool | None = None,
         fallback: bool = True,
+        prompt_checkpoints: bool = True,
     ) -> None:
         """``keep_all_swa`` keeps SWA KV for every cached token (required when
         SWA layers keep the whole sequence, ``swa_mode="full"``);
-        ``fallback=False`` matches only the deepest full-KV point (the
-        tombstone-without-fallback baseline)."""
+        ``fallback=False`` matches only the deepest full-KV point and
+        ``prompt_checkpoints=False`` keeps SWA only where requests finish
+        (together: the tombstones-without-checkpoints baseline)."""
         self.allocator = allocator
         self.page_size = allocator.full.page_size
         self.window_tokens = max(allocator.window - 1, 0)  # W
         self.keep_all_swa = allocator.swa_mode == "full" if keep_all_swa is None else keep_all_swa
         self.checkpoint_interval = checkpoint_interval
         self.fallback = fallback
+        self.prompt_checkpoints = prompt_checkpoints
         self.root = RadixNode(None, None, 0)
         self.stats = CacheStats()
         self._clock = itertools.count(1)
@@ -258,9 +261,16 @@ class RadixCache:
             stamp, _, node = heapq.heappop(self._swa_heap)
             if not node.alive or node.swa is None or node.swa_lock or stamp != node.stamp:
                 continue
-            freed += self._tombstone(node)
-            if not node.children and not node.lock:
-                self._remove(node)
+            freed += self.drop_swa(node)
+        return freed
+
+    def drop_swa(self, node: RadixNode) -> int:
+        """Tombstone one unlocked node; a leaf left without SWA goes entirely."""
+        if node.swa_lock:
+            raise ValueError("node's SWA KV is in use")
+        freed = self._tombstone(node)
+        if not node.children and not node.lock and node.alive:
+            self._remove(node)
         return freed
 
     def flush(self) -> None:

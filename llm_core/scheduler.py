@@ -193,7 +193,7 @@ class Scheduler:
         """Checkpoint positions reached in this step: the prompt's last full
         page, and every ``checkpoint_interval`` tokens."""
         ps = self.allocator.full.page_size
-        points = [len(seq.prompt) // ps * ps]
+        points = [len(seq.prompt)] if self.cache is not None and self.cache.prompt_checkpoints else []
         if self.checkpoint_interval:
             step = self.checkpoint_interval
             points += range((start // step + 1) * step, seq.num_computed + 1, step)

@@ -1,0 +1,225 @@
+"""Radix prefix cache: window safety, checkpoints, fallback, eviction, locks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llm_core.cache_sim import CacheSimulator
+from llm_core.prefix_cache import RadixCache, RadixNode
+from llm_core.scheduler import ScheduledChunk
+
+PAGE, WINDOW = 4, 9  # W = 8 tokens: a checkpoint keeps 2 pages of SWA
+
+
+def _sim(full: int = 4096, swa: int = 4096, **kwargs) -> CacheSimulator:
+    return CacheSimulator(PAGE, WINDOW, full, swa, chunk=16, **kwargs)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def _nodes(cache: RadixCache) -> list[RadixNode]:
+    out, stack = [], [cache.root]
+    while stack:
+        node = stack.pop()
+        out.extend(node.children.values())
+        stack.extend(node.children.values())
+    return out
+
+
+def _assert_clean(sim: CacheSimulator) -> None:
+    """Locks balanced, no tombstone leaves, and a flush returns every slot."""
+    for node in _nodes(sim.cache):
+        assert node.lock == 0 and node.swa_lock == 0
+        assert node.children or node.swa is not None, "tombstone leaf"
+    sim.cache.flush()
+    assert sim.cache.num_nodes == 0
+    assert sim.allocator.full.free_slots == sim.allocator.full.capacity
+    assert sim.allocator.swa.free_slots == sim.allocator.swa.capacity
+
+
+def test_next_turn_hits_the_checkpoint_where_the_last_one_ended() -> None:
+    sim = _sim()
+    prompt, output = _tokens(1, 30), _tokens(2, 7)
+    assert sim.run(prompt, output) == 0
+    turn2 = prompt + output + _tokens(3, 5)
+    # KV exists for the 37 tokens computed; 36 of them are page-aligned.
+    assert sim.run(turn2, _tokens(4, 3)) == 36
+    _assert_clean(sim)
+
+
+def test_prompt_end_checkpoint_serves_a_shared_prompt() -> None:
+    sim = _sim()
+    system = _tokens(5, 22)
+    sim.run(system, _tokens(6, 9))
+    assert sim.run(system + _tokens(7, 10), [1]) == 20  # the prompt's last full page
+    _assert_clean(sim)
+
+
+def test_no_window_no_hit_even_with_full_kv() -> None:
+    sim = _sim()
+    system = _tokens(5, 40)
+    sim.run(system + _tokens(8, 3), [1])
+    # Full KV covers the 40 shared tokens, but SWA lives only at 40 and 43's pages.
+    assert sim.run(system[:30] + _tokens(9, 10), [1]) == 0
+    _assert_clean(sim)
+
+
+def test_evicted_middle_window_falls_back_to_the_last_safe_checkpoint() -> None:
+    sim = _sim(checkpoint_interval=16)
+    prompt = _tokens(10, 64)
+    sim.run(prompt, [7])
+    cache = sim.cache
+    keys = cache.page_keys(prompt + [1, 2, 3, 4])
+    assert cache.match(keys).length == 64
+    path = cache.match(keys).nodes
+    for node in path[14:16] + path[10:12]:  # the windows ending at 64 and 48
+        cache.drop_swa(node)
+    assert cache.match(keys).length == 32  # not 0: the checkpoint at 32 survives
+    _assert_clean(sim)
+
+
+def test_without_fallback_a_dead_window_means_no_hit() -> None:
+    sim = _sim(policy="no_checkpoints")
+    prompt, output = _tokens(11, 40), _tokens(12, 4)
+    sim.run(prompt, output)
+    assert sim.run(prompt + output + [5, 6, 7], [1]) == 44  # exactly where it ended: a hit
+    assert sim.run(prompt + [9, 9, 9, 9, 9], [1]) == 0  # full KV to 40, no window there
+    _assert_clean(sim)
+
+
+def test_swa_eviction_never_leaves_a_tombstone_leaf() -> None:
+    sim = _sim()
+    sim.run(_tokens(13, 50), _tokens(14, 3))
+    leaves = [n for n in _nodes(sim.cache) if not n.children]
+    assert len(leaves) == 1 and leaves[0].swa is not None
+    freed = sim.cache.evict_swa(1)
+    assert freed == PAGE
+    # The leaf lost its window, so it (and the SWA-less pages above it) went entirely.
+    assert all(n.children or n.swa is not None for n in _nodes(sim.cache))
+    _assert_clean(sim)
+
+
+def test_full_pool_pressure_evicts_least_recently_used_prefixes() -> None:
+    sim = _sim(full=96, swa=200)  # room for about two requests of 40 tokens
+    a, b, c = _tokens(20, 40), _tokens(21, 40), _tokens(22, 40)
+    for prompt in (a, b, a, c):
+        sim.run(prompt, [1, 2])
+    assert sim.result.failed == 0
+    assert sim.run(a + [3], [1]) > 0  # a was used more recently than b
+    assert sim.run(b + [3], [1]) == 0
+    _assert_clean(sim)
+
+
+def test_locked_prefixes_are_not_evicted() -> None:
+    sim = _sim()
+    prompt = _tokens(30, 24)
+    sim.run(prompt, [1])
+    cache = sim.cache
+    view = sim.allocator.new_view()
+    match = cache.match(cache.page_keys(prompt + [5]))
+    lock = cache.attach(view, match)
+    cache.flush()
+    assert cache.match(cache.page_keys(prompt + [5])).length == match.length > 0
+    cache.release(lock)
+    sim.allocator.free(view)
+    _assert_clean(sim)
+
+
+# ------------------------------------------------------------------ property
+class ShadowKV:
+    """Brute-force model: what each pool slot truly holds, by token prefix."""
+
+    def __init__(self, sim: CacheSimulator) -> None:
+        self.sim = sim
+        self.full: dict[int, tuple[int, ...]] = {}
+        self.swa: dict[int, tuple[int, ...]] = {}
+        full_release, swa_release = sim.allocator.full.release, sim.allocator.swa.release
+
+        def release_full(pages: list[int]) -> None:
+            for page in pages:
+                for slot in range(page * PAGE, (page + 1) * PAGE):
+                    self.full.pop(slot, None)
+            full_release(pages)
+
+        def release_swa(slots: list[int]) -> None:
+            for slot in slots:
+                self.swa.pop(slot, None)
+            swa_release(slots)
+
+        sim.allocator.full.release = release_full  # type: ignore[method-assign]
+        sim.allocator.swa.release = release_swa  # type: ignore[method-assign]
+        self.false_hits = 0
+
+    def on_compute(self, chunk: ScheduledChunk) -> None:
+        seq, view = chunk.seq, chunk.seq.view
+        tokens = seq.tokens(chunk.start + chunk.length)
+        if chunk.start == (seq.cached_tokens or 0) and chunk.start > 0 and not getattr(seq, "_checked", False):
+            seq._checked = True  # type: ignore[attr-defined]
+            self.check_reusable(view, tokens, chunk.start)
+        for pos in range(chunk.start, chunk.start + chunk.length):
+            content = tuple(tokens[: pos + 1])
+            self.full[view.full_slots(pos, pos + 1)[0]] = content
+            self.swa[view.swa_slots(pos, pos + 1)[0]] = content
+
+    def check_reusable(self, view, tokens: list[int], hit: int) -> None:  # noqa: ANN001
+        w = WINDOW - 1
+        for pos in range(hit):
+            if self.full.get(view.full_slots(pos, pos + 1)[0]) != tuple(tokens[: pos + 1]):
+                self.false_hits += 1
+                return
+        for pos in range(max(0, hit - w), hit):
+            if self.swa.get(view.swa_slots(pos, pos + 1)[0]) != tuple(tokens[: pos + 1]):
+                self.false_hits += 1
+                return
+
+
+op = st.one_of(
+    st.tuples(st.just("run"), st.integers(0, 3), st.integers(0, 40), st.integers(1, 12), st.integers(0, 99)),
+    st.tuples(st.just("evict_swa"), st.integers(1, 40)),
+    st.tuples(st.just("evict_full"), st.integers(1, 10)),
+    st.tuples(st.just("lock"), st.integers(0, 3)),
+    st.tuples(st.just("unlock"),),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=25), interval=st.sampled_from([None, 8, 12]),
+       policy=st.sampled_from(["window", "no_checkpoints"]))
+def test_random_workloads_never_false_hit_and_never_leak(ops, interval, policy) -> None:  # noqa: ANN001
+    sim = _sim(full=160, swa=60, checkpoint_interval=interval, policy=policy)
+    shadow = ShadowKV(sim)
+    bases = [_tokens(100 + i, 48) for i in range(4)]  # shared prefixes
+    held = []
+    for o in ops:
+        if o[0] == "run":
+            _, base, keep, extra, seed = o
+            prompt = bases[base][:keep] + _tokens(seed, extra)
+            sim.run(prompt, _tokens(seed + 1, seed % 7), on_compute=shadow.on_compute)
+        elif o[0] == "evict_swa":
+            sim.cache.evict_swa(o[1])
+        elif o[0] == "evict_full":
+            sim.cache.evict_full(o[1])
+        elif o[0] == "lock":
+            view = sim.allocator.new_view()
+            tokens = bases[o[1]] + [1]
+            match = sim.cache.match(sim.cache.page_keys(tokens), max_pages=len(tokens) // PAGE)
+            lock = sim.cache.attach(view, match)
+            if match.length:
+                shadow.check_reusable(view, tokens, match.length)
+            held.append((view, lock))
+        elif o[0] == "unlock" and held:
+            view, lock = held.pop(0)
+            sim.cache.release(lock)
+            sim.allocator.free(view)
+        assert shadow.false_hits == 0
+    for view, lock in held:
+        sim.cache.release(lock)
+        sim.allocator.free(view)
+    _assert_clean(sim)
