@@ -189,7 +189,7 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=25), interval=st.sampled_from([None, 8, 12]),
        policy=st.sampled_from(["window", "no_checkpoints"]))
 def test_random_workloads_never_false_hit_and_never_leak(ops, interval, policy) -> None:  # noqa: ANN001
