@@ -5,11 +5,16 @@ Requests run one after another; outputs are given, not sampled. Memory
 behaves as in the engine: prompts are prefilled in chunks with the SWA ring
 released between chunks, checkpoints are taken at the same points, and
 eviction happens on pool pressure.
+
+With ``verify=True`` the simulator keeps a shadow of what every pool slot
+holds (which token prefix's KV was written there, cleared when the slot is
+freed) and checks every hit against it: a hit whose pages or window hold
+anything else is counted as a false hit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,6 +24,9 @@ from llm_core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Seque
 
 Policy = Literal["window", "keep_all", "no_checkpoints"]
 POLICIES: tuple[Policy, ...] = ("window", "keep_all", "no_checkpoints")
+# How the shadow tells token runs apart: by the tokens themselves, or, for
+# traces whose pages are determined by their first token, by that token (cheap).
+PageIdentity = Literal["tokens", "first_token"]
 
 
 @dataclass
@@ -27,6 +35,8 @@ class SimResult:
     failed: int = 0  # requests that could not fit in the pools at all
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    false_hits: int = 0
+    verified_hits: int = 0
     peak_full_tokens: int = 0
     peak_swa_tokens: int = 0
     per_request_cached: list[int] = field(default_factory=list)
@@ -51,8 +61,11 @@ class CacheSimulator:
         policy: Policy = "window",
         chunk: int = 8192,
         checkpoint_interval: int | None = None,
+        verify: bool = False,
+        page_identity: PageIdentity = "tokens",
     ) -> None:
         mode = "full" if policy == "keep_all" else "hybrid"
+        self.page_size = page_size
         self.allocator = KVAllocator(
             FullKVPool(full_tokens // page_size, page_size), SWAKVPool(swa_tokens, 1), window, mode
         )
@@ -65,6 +78,7 @@ class CacheSimulator:
         self.scheduler = Scheduler(self.allocator, SchedulerConfig(1, chunk, chunk), self.cache)
         self.result = SimResult()
         self._next_id = 0
+        self._shadow = _ShadowPools(self.allocator, page_size, page_identity) if verify else None
 
     def run(
         self,
@@ -77,11 +91,17 @@ class CacheSimulator:
         seq = Sequence(self._next_id, prompt, max(len(output), 1), self.allocator.new_view())
         self._next_id += 1
         self.scheduler.add(seq)
+        shadow = self._shadow
+        if shadow is not None:
+            shadow.start(seq)
         try:
             while seq.finish_reason is None:
                 chunks = self.scheduler.schedule()
-                if on_compute is not None:
-                    for chunk in chunks:
+                for chunk in chunks:
+                    if shadow is not None:
+                        self._verify_hit(chunk)
+                        shadow.write(chunk)
+                    if on_compute is not None:
                         on_compute(chunk)
                 self.scheduler.after_step(chunks)
                 self._track_peaks()
@@ -100,7 +120,86 @@ class CacheSimulator:
         self.result.per_request_cached.append(cached)
         return cached
 
+    def _verify_hit(self, chunk: ScheduledChunk) -> None:
+        seq = chunk.seq
+        if chunk.start == 0 or chunk.start != seq.cached_tokens or seq.request_id in self._verified:
+            return
+        self._verified.add(seq.request_id)
+        self.result.verified_hits += 1
+        assert self._shadow is not None
+        if not self._shadow.holds(seq, chunk.start, self.cache.window_tokens):
+            self.result.false_hits += 1
+
+    @property
+    def _verified(self) -> set[int]:
+        assert self._shadow is not None
+        return self._shadow.verified
+
     def _track_peaks(self) -> None:
         full, swa = self.allocator.full, self.allocator.swa
         self.result.peak_full_tokens = max(self.result.peak_full_tokens, full.capacity - full.free_slots)
         self.result.peak_swa_tokens = max(self.result.peak_swa_tokens, swa.capacity - swa.free_slots)
+
+
+class _ShadowPools:
+    """What each full page and SWA slot truly holds: an id of the token prefix
+    whose KV was written there; None once freed."""
+
+    def __init__(self, allocator: KVAllocator, page_size: int, identity: PageIdentity) -> None:
+        self.page_size = page_size
+        self.identity = identity
+        self.full: list[Hashable | None] = [None] * allocator.full.num_pages
+        self.swa: list[Hashable | None] = [None] * allocator.swa.capacity
+        self._chain_ids: dict[tuple[int, Hashable], int] = {}
+        self._chain: list[int] = []  # prefix id after each complete page of the current request
+        self._seq: Sequence | None = None
+        self.verified: set[int] = set()
+        for pool, shadow in ((allocator.full, self.full), (allocator.swa, self.swa)):
+            pool.release = self._clearing(pool.release, shadow)  # type: ignore[method-assign]
+
+    @staticmethod
+    def _clearing(release: Callable[[list[int]], None], shadow: list[Hashable | None]):  # noqa: ANN205
+        def wrapped(items: list[int]) -> None:
+            for item in items:
+                shadow[item] = None
+            release(items)
+
+        return wrapped
+
+    def start(self, seq: Sequence) -> None:
+        self._seq, self._chain = seq, []
+
+    def _run_id(self, start: int, end: int) -> Hashable:
+        """Identity of the tokens [start, end) of the current request (one page at most)."""
+        assert self._seq is not None
+        if self.identity == "first_token":
+            return self._seq.token_slice(start, start + 1)[0]
+        return tuple(self._seq.token_slice(start, end))
+
+    def _prefix_id(self, pages: int) -> int:
+        while len(self._chain) < pages:
+            p = len(self._chain)
+            key = (self._chain[-1] if p else 0, self._run_id(p * self.page_size, (p + 1) * self.page_size))
+            self._chain.append(self._chain_ids.setdefault(key, len(self._chain_ids) + 1))
+        return self._chain[pages - 1] if pages else 0
+
+    def _content(self, pos: int) -> Hashable:
+        page = pos // self.page_size
+        return (self._prefix_id(page), self._run_id(page * self.page_size, pos + 1), pos % self.page_size)
+
+    def write(self, chunk: ScheduledChunk) -> None:
+        view, ps = chunk.seq.view, self.page_size
+        end = chunk.start + chunk.length
+        for pos, slot in zip(range(chunk.start, end), view.swa_slots(chunk.start, end)):
+            self.swa[slot] = self._content(pos)
+        for page in range(chunk.start // ps, end // ps):  # pages completed in this chunk
+            self.full[view.full_pages[page]] = self._prefix_id(page + 1)
+
+    def holds(self, seq: Sequence, hit: int, window_tokens: int) -> bool:
+        view, ps = seq.view, self.page_size
+        for page in range(hit // ps):
+            if self.full[view.full_pages[page]] != self._prefix_id(page + 1):
+                return False
+        first = max(0, hit - window_tokens)
+        return all(self.swa[slot] == self._content(pos)
+                   for pos, slot in zip(range(first, hit), view.swa_slots(first, hit)))
