@@ -184,14 +184,32 @@ class _ShadowPools:
         return self._chain[pages - 1] if pages else 0
 
     def _content(self, pos: int) -> Hashable:
-        page = pos // self.page_size
-        return (self._prefix_id(page), self._run_id(page * self.page_size, pos + 1), pos % self.page_size)
+        page, offset = divmod(pos, self.page_size)
+        if self.identity == "first_token":
+            # The page's first token fixes the rest: one id per (page, offset).
+            return self._page_base(page) * self.page_size + offset
+        return (self._prefix_id(page), self._run_id(page * self.page_size, pos + 1), offset)
+
+    def _page_base(self, page: int) -> int:
+        key = ("base", self._prefix_id(page), self._run_id(page * self.page_size, page * self.page_size + 1))
+        return self._chain_ids.setdefault(key, len(self._chain_ids) + 1)  # type: ignore[arg-type]
 
     def write(self, chunk: ScheduledChunk) -> None:
         view, ps = chunk.seq.view, self.page_size
         end = chunk.start + chunk.length
-        for pos, slot in zip(range(chunk.start, end), view.swa_slots(chunk.start, end)):
-            self.swa[slot] = self._content(pos)
+        slots = view.swa_slots(chunk.start, end)
+        if self.identity == "first_token":
+            pos = chunk.start
+            while pos < end:
+                stop = min(end, (pos // ps + 1) * ps)
+                base = self._page_base(pos // ps) * ps
+                i = pos - chunk.start
+                for slot, offset in zip(slots[i : i + stop - pos], range(pos % ps, pos % ps + stop - pos)):
+                    self.swa[slot] = base + offset
+                pos = stop
+        else:
+            for pos, slot in zip(range(chunk.start, end), slots):
+                self.swa[slot] = self._content(pos)
         for page in range(chunk.start // ps, end // ps):  # pages completed in this chunk
             self.full[view.full_pages[page]] = self._prefix_id(page + 1)
 

@@ -112,10 +112,11 @@ class KVAllocator:
 
     ``window`` is the number of keys a query sees, itself included, so a
     query at position p needs KV for positions [p - window + 1, p]. SWA slots
-    are kept from one full page before that point, page-aligned, so that a
+    are kept from W tokens before the page boundary at or below p, so that a
     request ending anywhere still holds the window before its last full page
-    (what a prefix-cache checkpoint needs). In ``swa_mode="full"`` SWA layers
-    keep the whole sequence, as engines without SWA support do.
+    (what a prefix-cache checkpoint needs): at most W + page - 1 slots between
+    steps. In ``swa_mode="full"`` SWA layers keep the whole sequence, as
+    engines without SWA support do.
     """
 
     def __init__(self, full: FullKVPool, swa: SWAKVPool, window: int, swa_mode: SWAMode = "hybrid") -> None:
@@ -134,7 +135,7 @@ class KVAllocator:
         if self.swa_mode == "full":
             return 0
         ps = self.full.page_size
-        return max(0, (next_query_pos // ps * ps - (self.window - 1)) // ps * ps)
+        return max(0, next_query_pos // ps * ps - (self.window - 1))
 
     # ------------------------------------------------------------- planning
     def pages_needed(self, view: SequenceView, new_len: int) -> tuple[int, int]:

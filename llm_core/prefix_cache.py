@@ -104,18 +104,22 @@ class RadixCache:
         ps = self.page_size
         return [tuple(tokens[i : i + ps]) for i in range(0, len(tokens) - ps + 1, ps)]
 
-    def _first_swa_page(self, num_pages: int) -> int:
-        """First page whose SWA KV a hit after ``num_pages`` pages needs."""
-        if self.keep_all_swa:
-            return 0
-        return self.allocator.first_live_pos(num_pages * self.page_size) // self.page_size
+    def window_start(self, end: int) -> int:
+        """First position whose SWA KV a hit ending at ``end`` needs."""
+        return 0 if self.keep_all_swa else max(0, end - self.window_tokens)
+
+    def _window_nodes(self, path: Sequence[RadixNode], end: int) -> list[tuple[RadixNode, int]]:
+        """(node, SWA tokens needed from the end of its page) for the window of ``end``."""
+        ps, start = self.page_size, self.window_start(end)
+        return [(path[j], (j + 1) * ps - max(start, j * ps)) for j in range(start // ps, end // ps)]
 
     # --------------------------------------------------------------- match
     def match(self, keys: Sequence[PageKey], max_pages: int | None = None) -> PrefixMatch:
         """Deepest window-safe prefix of ``keys`` (at most ``max_pages``)."""
+        ps = self.page_size
         limit = len(keys) if max_pages is None else min(len(keys), max_pages)
         node, path = self.root, []
-        live_run = 0  # consecutive pages with live SWA ending at the current depth
+        covered = 0  # tokens of live SWA KV ending at the current depth
         best = 0
         for key in keys[:limit]:
             child = node.children.get(key)
@@ -123,40 +127,40 @@ class RadixCache:
                 break
             path.append(child)
             node = child
-            live_run = live_run + 1 if child.swa is not None else 0
-            depth = len(path)
-            if depth - self._first_swa_page(depth) <= live_run:
-                best = depth
+            held = len(child.swa) if child.swa is not None else 0
+            covered = held + covered if held == ps else held
+            end = len(path) * ps
+            if covered >= end - self.window_start(end):
+                best = len(path)
         if not self.fallback and best != len(path):
             best = 0
         stamp = next(self._clock)
         for n in path[:best]:
             self._touch(n, stamp)
-        return PrefixMatch(tuple(path[:best]), best * self.page_size)
+        return PrefixMatch(tuple(path[:best]), best * ps)
 
     def attach(self, view: SequenceView, match: PrefixMatch) -> CacheLock:
         """Point an empty view at a matched prefix (no copy) and lock it."""
         lock = CacheLock()
-        pages = len(match.nodes)
-        if pages == 0:
+        if not match.nodes:
             return lock
         e = match.length
-        first = self._first_swa_page(pages)
-        swa_nodes = list(match.nodes[first:])
+        window = self._window_nodes(match.nodes, e)
         view.full_pages = [n.full_page for n in match.nodes]
-        view.shared_full_pages = pages
-        view.swa_base = first * self.page_size
-        view.swa_ring = [slot for n in swa_nodes for slot in n.swa]  # type: ignore[union-attr]
+        view.shared_full_pages = len(match.nodes)
+        view.swa_base = self.window_start(e)
+        view.swa_ring = [slot for n, need in window for slot in n.swa[len(n.swa) - need :]]  # type: ignore[index]
         view.shared_swa_end = e
         view.num_tokens = e
-        self._lock(lock, list(match.nodes), swa_nodes)
+        self._lock(lock, list(match.nodes), [n for n, _ in window])
         lock.checkpoints.add(e)
         return lock
 
     # -------------------------------------------------------------- insert
     def insert(self, view: SequenceView, keys: Sequence[PageKey], num_tokens: int, lock: CacheLock) -> None:
         """Hand the request's first ``num_tokens`` tokens (page-aligned down)
-        to the tree, with a checkpoint of SWA KV at their end.
+        to the tree, with a checkpoint of the SWA KV of the W tokens before
+        their end.
 
         Works mid-request (a prompt-end or interval checkpoint) as well as at
         the end: the request keeps reading what it handed over, now the
@@ -168,16 +172,21 @@ class RadixCache:
         if pages == 0 or e in lock.checkpoints:
             return
         path = self._insert_full_pages(view, keys, pages)
-        first = self._first_swa_page(pages)
-        self._drop_ring_before(view, first * ps)
-        checkpointed = view.swa_base <= first * ps and e <= view.swa_end_pos
+        start = self.window_start(e)
+        self._drop_ring_before(view, start)
+        window = self._window_nodes(path, e)
+        checkpointed = (
+            view.swa_base <= start
+            and e <= view.swa_end_pos
+            and all(n.swa is None or len(n.swa) >= need or not n.swa_lock for n, need in window)
+        )
         if checkpointed:
-            self._checkpoint_swa(view, path, first, pages)
+            self._checkpoint_swa(view, window)
             view.shared_swa_end = max(view.shared_swa_end, e)
         # Lock the new part of the path; the SWA lock moves to the newest window.
         self._lock(lock, path[len(lock.nodes) :], [])
         self._unlock_swa(lock)
-        self._lock(lock, [], path[first:] if checkpointed else [])
+        self._lock(lock, [], [n for n, _ in window] if checkpointed else [])
         lock.checkpoints.add(e)
         stamp = next(self._clock)
         for n in path:
@@ -209,19 +218,27 @@ class RadixCache:
         del view.swa_ring[:cut]
         view.swa_base += cut
 
-    def _checkpoint_swa(self, view: SequenceView, path: list[RadixNode], first: int, pages: int) -> None:
+    def _checkpoint_swa(self, view: SequenceView, window: list[tuple[RadixNode, int]]) -> None:
+        """Give each window page the SWA suffix it needs, from the request's
+        ring, unless the tree already has it (then the request reads the
+        tree's copy and frees its own)."""
         ps = self.page_size
-        for j in range(first, pages):
-            node, lo = path[j], j * ps - view.swa_base
-            ring = view.swa_ring[lo : lo + ps]
-            owned = j * ps >= view.shared_swa_end
-            if node.swa is None:
-                node.swa = list(ring)  # the request's slots become the tree's
-                self.swa_slots_cached += ps
-            elif owned:
-                # Already checkpointed by another request: read its copy, free ours.
-                self.allocator.swa.release(ring)
-                view.swa_ring[lo : lo + ps] = node.swa
+        for node, need in window:
+            page_end = (node.depth) * ps
+            lo, hi = page_end - need - view.swa_base, page_end - view.swa_base
+            ring = view.swa_ring[lo:hi]
+            owned = page_end - need >= view.shared_swa_end
+            if node.swa is not None and len(node.swa) >= need:
+                if owned:
+                    self.allocator.swa.release(ring)
+                    view.swa_ring[lo:hi] = node.swa[len(node.swa) - need :]
+                continue
+            if node.swa is not None:  # a shorter suffix, unlocked: replace it
+                self.allocator.swa.release(node.swa)
+                self.swa_slots_cached -= len(node.swa)
+            node.swa = list(ring)  # the request's slots become the tree's
+            self.swa_slots_cached += need
+            self._push_swa(node)
 
     def _unlock_swa(self, lock: CacheLock) -> None:
         for n in lock.swa_nodes:
@@ -286,22 +303,25 @@ class RadixCache:
         return node
 
     def _remove(self, node: RadixNode) -> int:
-        """Evict a leaf completely; its parent may become an evictable leaf."""
-        freed = 1
-        self.allocator.full.release([node.full_page])
-        self._tombstone(node)
-        node.alive = False
-        parent = node.parent
-        assert parent is not None
-        del parent.children[node.key]
-        self.num_nodes -= 1
-        self.stats.evicted_full_pages += 1
-        if parent is not self.root and not parent.children and not parent.lock:
-            if parent.swa is None:
-                freed += self._remove(parent)  # never leave a tombstone leaf
-            else:
+        """Evict a leaf completely; a parent left as an unlocked tombstone
+        leaf goes too (never leave one), otherwise it may become evictable."""
+        freed = 0
+        while True:
+            self.allocator.full.release([node.full_page])
+            self._tombstone(node)
+            node.alive = False
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key]
+            self.num_nodes -= 1
+            self.stats.evicted_full_pages += 1
+            freed += 1
+            if parent is self.root or parent.children or parent.lock:
+                return freed
+            if parent.swa is not None:
                 self._push_full(parent)
-        return freed
+                return freed
+            node = parent
 
     def _tombstone(self, node: RadixNode) -> int:
         if node.swa is None:

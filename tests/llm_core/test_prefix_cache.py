@@ -14,8 +14,8 @@ from llm_core.prefix_cache import RadixCache, RadixNode
 PAGE, WINDOW = 4, 9  # W = 8 tokens: a checkpoint keeps 2 pages of SWA
 
 
-def _sim(full: int = 4096, swa: int = 4096, **kwargs) -> CacheSimulator:
-    return CacheSimulator(PAGE, WINDOW, full, swa, chunk=16, **kwargs)
+def _sim(full: int = 4096, swa: int = 4096, window: int = WINDOW, **kwargs) -> CacheSimulator:
+    return CacheSimulator(PAGE, window, full, swa, chunk=16, **kwargs)
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -141,12 +141,14 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=25), interval=st.sampled_from([None, 8, 12]),
-       policy=st.sampled_from(["window", "no_checkpoints"]))
-def test_random_workloads_never_false_hit_and_never_leak(ops, interval, policy) -> None:  # noqa: ANN001
+       policy=st.sampled_from(["window", "no_checkpoints", "keep_all"]),
+       window=st.sampled_from([9, 7, 3]))  # W = 2 pages, 1.5 pages (partial SWA pages), half a page
+def test_random_workloads_never_false_hit_and_never_leak(ops, interval, policy, window) -> None:  # noqa: ANN001
     # verify=True: every hit is checked against a shadow of what each slot holds.
-    sim = _sim(full=160, swa=60, checkpoint_interval=interval, policy=policy, verify=True)
+    swa = 160 if policy == "keep_all" else 60
+    sim = _sim(full=160, swa=swa, window=window, checkpoint_interval=interval, policy=policy, verify=True)
     bases = [_tokens(100 + i, 48) for i in range(4)]  # shared prefixes
     held = []
     for o in ops:
