@@ -59,12 +59,32 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = kv_capacity(get_preset(args.preset), args.context, int(args.kv_budget_gib * GIB),
                              page_size=args.page_size)
+    elif args.name == "prefix-cache":
+        result = _bench_prefix_cache(args)
     else:
         from llm_core.bench.throughput import throughput
 
         result = throughput(seed=args.seed, num_requests=args.num_requests, repeats=args.repeats)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
+
+
+def _bench_prefix_cache(args: argparse.Namespace) -> dict:
+    from llm_core.bench.prefix_cache import plot_sweep, prefix_cache_bench, sweep
+
+    if args.trace is None:
+        raise ValueError("bench prefix-cache needs --trace (a directory of sessions or a .jsonl file)")
+    result = prefix_cache_bench(args.trace, args.full_pool_tokens, args.swa_fraction,
+                                checkpoint_interval=args.checkpoint_interval or None, limit=args.limit)
+    if args.plot:
+        fractions = [float(f) for f in args.sweep.split(",")]
+        points = list(sweep(args.trace, fractions, args.full_pool_tokens,
+                            checkpoint_interval=args.checkpoint_interval or None, limit=args.limit))
+        plot_sweep(points, result["upper_bound"], args.plot, f"{Path(args.trace).name}: hit rate vs SWA pool")
+        result["sweep"] = [{k: p[k] for k in ("swa_fraction", "policy", "hit_rate", "failed_requests")}
+                           for p in points]
+        result["plot"] = args.plot
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=_init_checkpoint)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
-    bench.add_argument("name", choices=["kv", "throughput"])
+    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv: model shape")
     bench.add_argument("--context", type=int, default=131072, help="kv: tokens per request")
@@ -97,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-requests", type=int, default=32, help="throughput: requests")
     bench.add_argument("--seed", type=int, default=0, help="throughput: workload seed")
     bench.add_argument("--repeats", type=int, default=2, help="throughput: best of N runs per side")
+    bench.add_argument("--trace", help="prefix-cache: agentic session directory or Mooncake .jsonl")
+    bench.add_argument("--full-pool-tokens", type=int, default=4_000_000, help="prefix-cache: full pool")
+    bench.add_argument("--swa-fraction", type=float, default=0.05, help="prefix-cache: SWA pool / full pool")
+    bench.add_argument("--checkpoint-interval", type=int, default=4096, help="prefix-cache: 0 for none")
+    bench.add_argument("--limit", type=int, help="prefix-cache: first N requests only")
+    bench.add_argument("--plot", help="prefix-cache: also sweep SWA pool sizes and save a PNG here")
+    bench.add_argument("--sweep", default="0.005,0.01,0.02,0.05,0.1,0.25,1.0",
+                       help="prefix-cache: SWA pool fractions for --plot")
     bench.set_defaults(func=_bench)
     return parser
 

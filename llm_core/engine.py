@@ -33,8 +33,9 @@ class EngineConfig:
     chunked_prefill_size: int = 1024
     attention: AttentionImpl = "auto"
     enable_prefix_caching: bool = True
-    # Extra SWA checkpoints every N tokens (besides prompt ends and finished requests).
-    checkpoint_interval: int | None = None
+    # Extra SWA checkpoints every N tokens (besides prompt ends and finished
+    # requests), so a prompt diverging mid-way falls back at most this far.
+    checkpoint_interval: int | None = 4096
 
     def __post_init__(self) -> None:
         if self.swa_mode not in ("hybrid", "full"):

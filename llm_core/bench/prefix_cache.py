@@ -145,11 +145,12 @@ def prefix_cache_bench(
     full_tokens: int = 4_000_000,
     swa_fraction: float = 0.05,
     window: int = MIMO_WINDOW,
+    checkpoint_interval: int | None = 4096,
     limit: int | None = None,
 ) -> dict[str, Any]:
     requests = load_trace(trace)[:limit]
     swa_tokens = int(full_tokens * swa_fraction)
-    ours = simulate(requests, "window", full_tokens, swa_tokens, window)
+    ours = simulate(requests, "window", full_tokens, swa_tokens, window, checkpoint_interval)
     keep_all = simulate(requests, "keep_all", full_tokens, full_tokens, window)
     no_ckpt = simulate(requests, "no_checkpoints", full_tokens, swa_tokens, window)
     bound = upper_bound(requests)
@@ -159,6 +160,7 @@ def prefix_cache_bench(
         "prompt_tokens": sum(r.input_tokens for r in requests),
         "page_size": trace_page_size(requests),
         "window": window - 1,
+        "checkpoint_interval": checkpoint_interval,
         "hit_rate": ours["hit_rate"],
         "upper_bound": round(bound, 4),
         "gap_to_upper_bound": round(bound - ours["hit_rate"], 4),
@@ -173,15 +175,20 @@ def prefix_cache_bench(
 
 
 def sweep(
-    trace: str | Path, fractions: list[float], full_tokens: int = 4_000_000, window: int = MIMO_WINDOW,
+    trace: str | Path,
+    fractions: list[float],
+    full_tokens: int = 4_000_000,
+    window: int = MIMO_WINDOW,
+    checkpoint_interval: int | None = 4096,
     limit: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Hit rate against SWA pool size (fraction of the full pool), per policy."""
     requests = load_trace(trace)[:limit]
     for fraction in fractions:
         for policy in POLICIES:
-            result = simulate(requests, policy, full_tokens, int(full_tokens * fraction), window)
-            yield {"swa_fraction": fraction, **result}
+            swa = int(full_tokens * fraction)
+            yield {"swa_fraction": fraction,
+                   **simulate(requests, policy, full_tokens, swa, window, checkpoint_interval)}
 
 
 def plot_sweep(points: list[dict[str, Any]], bound: float, out: str | Path, title: str) -> None:
