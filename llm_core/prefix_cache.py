@@ -37,7 +37,11 @@ class RadixNode:
     children: dict[PageKey, RadixNode] = field(default_factory=dict)
     lock: int = 0  # running requests reading this node's full KV
     swa_lock: int = 0  # running requests reading this node's SWA KV
-    stamp: int = 0  # last use, for LRU
+    stamp: int = 0  # last use of the full KV (any hit through this page), for LRU
+    swa_stamp: int = 0  # last use of this page's SWA KV as a hit's window or a new checkpoint
+    # 0: only an interval checkpoint's window (insurance, evicted first);
+    # 1: the window of a prompt end, a finished request, or of a hit.
+    swa_priority: int = 0
     alive: bool = True
 
 
@@ -95,7 +99,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self._tie = itertools.count()
         self._full_heap: list[tuple[int, int, RadixNode]] = []
-        self._swa_heap: list[tuple[int, int, RadixNode]] = []
+        self._swa_heap: list[tuple[tuple[int, int], int, RadixNode]] = []
         self.num_nodes = 0
         self.swa_slots_cached = 0
 
@@ -137,6 +141,9 @@ class RadixCache:
         stamp = next(self._clock)
         for n in path[:best]:
             self._touch(n, stamp)
+        # Only the window a hit reads counts as SWA use: checkpoints passed on
+        # the way age, so the SWA pool keeps the ones that serve hits.
+        self._touch_swa([n for n, _ in self._window_nodes(path[:best], best * ps)], stamp, priority=1)
         return PrefixMatch(tuple(path[:best]), best * ps)
 
     def attach(self, view: SequenceView, match: PrefixMatch) -> CacheLock:
@@ -157,10 +164,13 @@ class RadixCache:
         return lock
 
     # -------------------------------------------------------------- insert
-    def insert(self, view: SequenceView, keys: Sequence[PageKey], num_tokens: int, lock: CacheLock) -> None:
+    def insert(
+        self, view: SequenceView, keys: Sequence[PageKey], num_tokens: int, lock: CacheLock, durable: bool = True
+    ) -> None:
         """Hand the request's first ``num_tokens`` tokens (page-aligned down)
         to the tree, with a checkpoint of the SWA KV of the W tokens before
-        their end.
+        their end. ``durable=False`` marks an interval checkpoint, whose SWA
+        goes before that of prompt ends and finished requests.
 
         Works mid-request (a prompt-end or interval checkpoint) as well as at
         the end: the request keeps reading what it handed over, now the
@@ -191,6 +201,8 @@ class RadixCache:
         stamp = next(self._clock)
         for n in path:
             self._touch(n, stamp)
+        if checkpointed:
+            self._touch_swa([n for n, _ in window], stamp, priority=int(durable))
 
     def _insert_full_pages(self, view: SequenceView, keys: Sequence[PageKey], pages: int) -> list[RadixNode]:
         node, path = self.root, []
@@ -275,8 +287,10 @@ class RadixCache:
         pages; a leaf left without SWA is useless and goes entirely."""
         freed = 0
         while freed < num_slots and self._swa_heap:
-            stamp, _, node = heapq.heappop(self._swa_heap)
-            if not node.alive or node.swa is None or node.swa_lock or stamp != node.stamp:
+            (priority, stamp), _, node = heapq.heappop(self._swa_heap)
+            if not node.alive or node.swa is None or node.swa_lock or (priority, stamp) != (
+                node.swa_priority, node.swa_stamp
+            ):
                 continue
             freed += self.drop_swa(node)
         return freed
@@ -326,6 +340,7 @@ class RadixCache:
     def _tombstone(self, node: RadixNode) -> int:
         if node.swa is None:
             return 0
+        node.swa_priority = 0
         self.allocator.swa.release(node.swa)
         n = len(node.swa)
         node.swa = None
@@ -345,11 +360,16 @@ class RadixCache:
         node.stamp = stamp
         if not node.children and not node.lock:
             self._push_full(node)
-        if node.swa is not None and not node.swa_lock:
-            self._push_swa(node)
+
+    def _touch_swa(self, nodes: list[RadixNode], stamp: int, priority: int) -> None:
+        for node in nodes:
+            node.swa_stamp = stamp
+            node.swa_priority = max(node.swa_priority, priority)
+            if node.swa is not None and not node.swa_lock:
+                self._push_swa(node)
 
     def _push_full(self, node: RadixNode) -> None:
         heapq.heappush(self._full_heap, (node.stamp, next(self._tie), node))
 
     def _push_swa(self, node: RadixNode) -> None:
-        heapq.heappush(self._swa_heap, (node.stamp, next(self._tie), node))
+        heapq.heappush(self._swa_heap, ((node.swa_priority, node.swa_stamp), next(self._tie), node))

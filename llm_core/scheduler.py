@@ -184,9 +184,10 @@ class Scheduler:
             seq = chunk.seq
             seq.num_computed = chunk.start + chunk.length
             if self.cache is not None:
+                prompt_end = len(seq.prompt) // self.allocator.full.page_size * self.allocator.full.page_size
                 for boundary in self._checkpoints_crossed(seq, chunk.start):
                     self.cache.insert(seq.view, self.cache.page_keys(seq.tokens(boundary)), boundary,
-                                      seq.cache_lock)  # type: ignore[arg-type]
+                                      seq.cache_lock, durable=boundary == prompt_end)  # type: ignore[arg-type]
             self.allocator.release_out_of_window(seq.view, seq.num_computed)
 
     def _checkpoints_crossed(self, seq: Sequence, start: int) -> list[int]:
