@@ -61,6 +61,14 @@ def _bench(args: argparse.Namespace) -> int:
                              page_size=args.page_size)
     elif args.name == "prefix-cache":
         result = _bench_prefix_cache(args)
+    elif args.name == "video":
+        from media.bench_video import video_bench
+
+        result = video_bench(fps=args.fps, threads=args.threads)
+    elif args.name == "image":
+        from media.bench_image import image_bench
+
+        result = image_bench(num_images=args.num_images, seed=args.seed)
     else:
         from llm_core.bench.throughput import throughput
 
@@ -108,14 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=_init_checkpoint)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
-    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache"])
+    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv: model shape")
     bench.add_argument("--context", type=int, default=131072, help="kv: tokens per request")
     bench.add_argument("--kv-budget-gib", type=float, default=8192.0, help="kv: KV memory budget")
     bench.add_argument("--page-size", type=int, default=16, help="kv: full-pool page size")
     bench.add_argument("--num-requests", type=int, default=32, help="throughput: requests")
-    bench.add_argument("--seed", type=int, default=0, help="throughput: workload seed")
+    bench.add_argument("--seed", type=int, default=0, help="throughput, image: workload seed")
+    bench.add_argument("--fps", type=float, default=2.0, help="video: sampling rate")
+    bench.add_argument("--threads", type=int, help="video: decode threads (default: usable cores)")
+    bench.add_argument("--num-images", type=int, default=64, help="image: JPEGs in the batch")
     bench.add_argument("--repeats", type=int, default=2, help="throughput: best of N runs per side")
     bench.add_argument("--trace", help="prefix-cache: agentic session directory or Mooncake .jsonl")
     bench.add_argument("--full-pool-tokens", type=int, default=4_000_000, help="prefix-cache: full pool")

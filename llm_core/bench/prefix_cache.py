@@ -213,7 +213,7 @@ def plot_sweep(points: list[dict[str, Any]], bound: float, out: str | Path, titl
     ax.set_ylabel("prompt-token hit rate")
     ax.set_ylim(0, 1)
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
