@@ -1,1 +1,28 @@
-"""Media decoding and preprocessing (images, video, audio) for the encoders."""
+"""Media decoding and preprocessing (images, video, audio) for the encoders.
+
+Every user-caused problem (corrupt, truncated, oversized, unsupported input)
+raises ``MediaError`` with a message fit for an API user and an HTTP status.
+"""
+
+from media.audio import audio_features, load_audio
+from media.errors import DEFAULT_LIMITS, MediaError, MediaLimits
+from media.image import ImageBatch, VisionPreprocessConfig, load_image, load_images_batch, preprocess_images
+from media.video import VideoFrames, VideoInfo, load_video, plan_sampling, probe_video
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "ImageBatch",
+    "MediaError",
+    "MediaLimits",
+    "VideoFrames",
+    "VideoInfo",
+    "VisionPreprocessConfig",
+    "audio_features",
+    "load_audio",
+    "load_image",
+    "load_images_batch",
+    "load_video",
+    "plan_sampling",
+    "preprocess_images",
+    "probe_video",
+]
