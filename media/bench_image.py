@@ -7,6 +7,7 @@ user would write) against ``media.image.load_images_batch``.
 from __future__ import annotations
 
 import io
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -103,7 +104,8 @@ def image_bench(num_images: int = 64, seed: int = 0) -> dict[str, Any]:
     }
     print(
         f"per-image loop: {result['per_image_loop_images_per_s']} img/s | "
-        f"batched: {result['batched_images_per_s']} img/s | speedup x{result['speedup']}"
+        f"batched: {result['batched_images_per_s']} img/s | speedup x{result['speedup']}",
+        file=sys.stderr,  # stdout carries only the JSON object
     )
     return result
 

@@ -31,3 +31,13 @@ def test_init_checkpoint_is_seeded(tmp_path: Path) -> None:
 def test_init_checkpoint_errors_are_messages(tmp_path: Path, capsys, preset: str, message: str) -> None:
     assert main(["init-checkpoint", str(tmp_path / "x"), "--preset", preset]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_image_prints_one_json_object(capsys) -> None:
+    import json
+
+    assert main(["bench", "image", "--num-images", "4", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert result["num_images"] == 4 and result["batched_images_per_s"] > 0
