@@ -43,7 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
     from llm_core import LLM
 
     model_dir = Path(args.model) if args.model else _ensure_default_model()
-    llm = LLM(model_dir, device=args.device, dtype=args.dtype)
+    llm = LLM(model_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=int(args.kv_budget_mib * (1 << 20)),
+              max_running_requests=args.max_running_requests)
     app = create_app(llm, model_name=args.served_model_name or model_dir.name)
     print(f"Swallow is serving {model_dir} at http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -106,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--kv-budget-mib", type=float, default=256.0, help="memory for both KV pools")
+    serve.add_argument("--max-running-requests", type=int, default=64)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 

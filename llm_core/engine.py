@@ -115,13 +115,16 @@ class Engine:
         self._next_id = 0
 
     # -------------------------------------------------------------- requests
-    def add_request(self, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...] = ()) -> int:
-        needed = len(prompt) + params.max_tokens
-        if needed > self.allocator.full.capacity:
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """A request that could never fit in the full pool is refused up front."""
+        if num_prompt_tokens + max_tokens > self.allocator.full.capacity:
             raise ValueError(
-                f"prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} needs more KV "
+                f"prompt of {num_prompt_tokens} tokens plus max_tokens={max_tokens} needs more KV "
                 f"memory than the pool holds ({self.allocator.full.capacity} tokens)"
             )
+
+    def add_request(self, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...] = ()) -> int:
+        self.check_fits(len(prompt), params.max_tokens)
         request_id = self._next_id
         self._next_id += 1
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))

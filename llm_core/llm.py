@@ -72,12 +72,14 @@ class LLM:
         return ids
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse, with a reason, a request longer than the context or the KV pool."""
         limit = self.config.max_position_embeddings
         if num_prompt_tokens + max_tokens > limit:
             raise ValueError(
                 f"prompt of {num_prompt_tokens} tokens plus max_tokens={max_tokens} exceeds "
                 f"the model's context length of {limit} tokens"
             )
+        self.engine.check_fits(num_prompt_tokens, max_tokens)
 
     # --------------------------------------------------------------- generate
     def generate(

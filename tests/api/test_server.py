@@ -132,3 +132,16 @@ def test_bad_requests_get_400_with_a_reason_and_the_server_keeps_serving(
     assert reason in r.json()["error"]["message"]
     ok = httpx.post(f"{server}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_a_request_larger_than_the_kv_pool_is_a_400(tiny_checkpoint: Path) -> None:
+    import asyncio
+
+    from api.server import BadRequest, CompletionService, parse_completion_request
+
+    llm = LLM(tiny_checkpoint, kv_budget_bytes=1 << 20)
+    service = CompletionService(llm, "tiny")
+    request = parse_completion_request({"prompt": [5] * 3000, "max_tokens": 10})
+    with pytest.raises(BadRequest, match="more KV memory than the pool holds"):
+        asyncio.run(service.complete(request))
+    service.close()
