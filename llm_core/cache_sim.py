@@ -15,7 +15,7 @@ anything else is counted as a false hit.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from llm_core.kv_pool import FullKVPool, KVAllocator, SWAKVPool
@@ -39,7 +39,6 @@ class SimResult:
     verified_hits: int = 0
     peak_full_tokens: int = 0
     peak_swa_tokens: int = 0
-    per_request_cached: list[int] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -78,6 +77,7 @@ class CacheSimulator:
         self.scheduler = Scheduler(self.allocator, SchedulerConfig(1, chunk, chunk), self.cache)
         self.result = SimResult()
         self._next_id = 0
+        self._verified: set[int] = set()  # requests whose hit was checked
         self._shadow = _ShadowPools(self.allocator, page_size, page_identity) if verify else None
 
     def run(
@@ -117,23 +117,17 @@ class CacheSimulator:
         self.result.requests += 1
         self.result.prompt_tokens += len(prompt)
         self.result.cached_tokens += cached
-        self.result.per_request_cached.append(cached)
         return cached
 
     def _verify_hit(self, chunk: ScheduledChunk) -> None:
         seq = chunk.seq
         if chunk.start == 0 or chunk.start != seq.cached_tokens or seq.request_id in self._verified:
-            return
+            return  # not a hit, or already checked
         self._verified.add(seq.request_id)
         self.result.verified_hits += 1
         assert self._shadow is not None
         if not self._shadow.holds(seq, chunk.start, self.cache.window_tokens):
             self.result.false_hits += 1
-
-    @property
-    def _verified(self) -> set[int]:
-        assert self._shadow is not None
-        return self._shadow.verified
 
     def _track_peaks(self) -> None:
         full, swa = self.allocator.full, self.allocator.swa
@@ -153,7 +147,6 @@ class _ShadowPools:
         self._chain_ids: dict[tuple[int, Hashable], int] = {}
         self._chain: list[int] = []  # prefix id after each complete page of the current request
         self._seq: Sequence | None = None
-        self.verified: set[int] = set()
         for pool, shadow in ((allocator.full, self.full), (allocator.swa, self.swa)):
             pool.release = self._clearing(pool.release, shadow)  # type: ignore[method-assign]
 

@@ -146,9 +146,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def output_tokens(self, request_id: int) -> list[int]:
-        return self._sequences[request_id].output
-
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenEvent]:
         chunks = self.scheduler.schedule()

@@ -88,10 +88,6 @@ class SequenceView:
     shared_full_pages: int = 0
     shared_swa_end: int = 0
 
-    def full_slots(self, start: int, end: int) -> list[int]:
-        ps = self.full_page_size
-        return [self.full_pages[p // ps] * ps + p % ps for p in range(start, end)]
-
     def swa_slots(self, start: int, end: int) -> list[int]:
         if start < self.swa_base or end > self.swa_end_pos:
             raise KeyError(f"positions [{start}, {end}) are not all in the live SWA window")

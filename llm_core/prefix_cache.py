@@ -64,8 +64,6 @@ class PrefixMatch:
 class CacheStats:
     cached_prompt_tokens: int = 0
     computed_prompt_tokens: int = 0
-    evicted_full_pages: int = 0
-    tombstoned_pages: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -250,7 +248,6 @@ class RadixCache:
                 self.swa_slots_cached -= len(node.swa)
             node.swa = list(ring)  # the request's slots become the tree's
             self.swa_slots_cached += need
-            self._push_swa(node)
 
     def _unlock_swa(self, lock: CacheLock) -> None:
         for n in lock.swa_nodes:
@@ -328,7 +325,6 @@ class RadixCache:
             assert parent is not None
             del parent.children[node.key]
             self.num_nodes -= 1
-            self.stats.evicted_full_pages += 1
             freed += 1
             if parent is self.root or parent.children or parent.lock:
                 return freed
@@ -345,7 +341,6 @@ class RadixCache:
         n = len(node.swa)
         node.swa = None
         self.swa_slots_cached -= n
-        self.stats.tombstoned_pages += 1
         return n
 
     def _lock(self, lock: CacheLock, nodes: list[RadixNode], swa_nodes: list[RadixNode]) -> None:

@@ -77,7 +77,6 @@ class Scheduler:
         self.allocator = allocator
         self.config = config
         self.cache = cache
-        self.checkpoint_interval = cache.checkpoint_interval if cache is not None else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -194,9 +193,10 @@ class Scheduler:
         """Checkpoint positions reached in this step: the prompt's last full
         page, and every ``checkpoint_interval`` tokens."""
         ps = self.allocator.full.page_size
-        points = [len(seq.prompt)] if self.cache is not None and self.cache.prompt_checkpoints else []
-        if self.checkpoint_interval:
-            step = self.checkpoint_interval
+        assert self.cache is not None
+        points = [len(seq.prompt)] if self.cache.prompt_checkpoints else []
+        if self.cache.checkpoint_interval:
+            step = self.cache.checkpoint_interval
             points += range((start // step + 1) * step, seq.num_computed + 1, step)
         return sorted({p // ps * ps for p in points if start < p <= seq.num_computed and p >= ps})
 

@@ -28,6 +28,3 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def token_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)

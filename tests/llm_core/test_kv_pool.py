@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llm_core.engine import page_slots
 from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool
 from llm_core.paged_attention import KVCacheTensors
 from llm_core.presets import mimo_v2_flash
@@ -28,7 +29,7 @@ def test_full_slots_grow_and_swa_slots_stay_within_the_window() -> None:
     assert peak == 8 + 4  # W + page, the token being computed included
     assert len(view.full_pages) == 25
     # Positions map to distinct slots; the live window is addressable.
-    assert len(set(view.full_slots(0, 100))) == 100
+    assert len(set(page_slots(view.full_pages, 0, 4, 0, 100).tolist())) == 100
     assert len(view.swa_slots(92, 100)) == 8
     with pytest.raises(KeyError):
         view.swa_slots(80, 100)
