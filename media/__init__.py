@@ -6,11 +6,20 @@ raises ``MediaError`` with a message fit for an API user and an HTTP status.
 
 from media.audio import audio_features, load_audio
 from media.errors import DEFAULT_LIMITS, MediaError, MediaLimits
-from media.image import ImageBatch, VisionPreprocessConfig, load_image, load_images_batch, preprocess_images
+from media.image import (
+    VIDEO_PREPROCESS,
+    ImageBatch,
+    VisionPreprocessConfig,
+    load_image,
+    load_images_batch,
+    preprocess_images,
+    preprocess_video,
+)
 from media.video import VideoFrames, VideoInfo, load_video, plan_sampling, probe_video
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "VIDEO_PREPROCESS",
     "ImageBatch",
     "MediaError",
     "MediaLimits",
@@ -24,5 +33,6 @@ __all__ = [
     "load_video",
     "plan_sampling",
     "preprocess_images",
+    "preprocess_video",
     "probe_video",
 ]

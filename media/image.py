@@ -591,6 +591,42 @@ def preprocess_images(
     return _pack(resized, config, dev)
 
 
+# transformers' Qwen2-VL video processor sizes frames between 128 and 768 merge windows.
+VIDEO_PREPROCESS = VisionPreprocessConfig(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28)
+
+
+def preprocess_video(
+    frames: torch.Tensor,
+    config: VisionPreprocessConfig = VIDEO_PREPROCESS,
+    device: torch.device | str = "cpu",
+) -> ImageBatch:
+    """Resize, normalise and patchify sampled frames (``VideoFrames.frames``, uint8
+    ``[T, H, W, 3]``) into one clip of ``temporal_patch_size``-frame patches, matching
+    ``transformers.Qwen2VLVideoProcessor``: an odd frame count repeats the last frame.
+
+    Returns an ``ImageBatch`` of one item with ``grid_thw = [[T', H/patch, W/patch]]``.
+    """
+    if not isinstance(frames, torch.Tensor) or frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[-1] != 3:
+        desc = f"{frames.dtype} {tuple(frames.shape)}" if isinstance(frames, torch.Tensor) else type(frames).__name__
+        raise ValueError(f"expected RGB uint8 frames [T, H, W, 3], got {desc}")
+    if frames.shape[0] == 0:
+        raise MediaError("the video has no frames to sample")
+    dev = torch.device(device)
+    p, m, tp = config.patch_size, config.merge_size, config.temporal_patch_size
+    th, tw = config.target_size(int(frames.shape[1]), int(frames.shape[2]))
+    clip = frames.to(dev).permute(0, 3, 1, 2)
+    clip = tvF.resize(clip, [th, tw], interpolation=InterpolationMode.BICUBIC, antialias=True)
+    if pad := -clip.shape[0] % tp:
+        clip = torch.cat((clip, clip[-1:].expand(pad, -1, -1, -1)))
+    mean, std = _norm_constants(config, dev)
+    normed = (clip - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
+    gt, gh, gw = clip.shape[0] // tp, th // p, tw // p
+    patches = normed.view(gt, tp, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    pixel_values = patches.reshape(gt * gh * gw, config.patch_dim)
+    grid = torch.tensor([[gt, gh, gw]], dtype=torch.int64, device=dev)
+    return ImageBatch(pixel_values=pixel_values, grid_thw=grid)
+
+
 # ---------------------------------------------------------------------------------------
 # Decode + preprocess
 # ---------------------------------------------------------------------------------------

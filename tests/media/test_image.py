@@ -518,3 +518,27 @@ def test_aspect_ratio_rejected_in_batch(encoded: dict[str, bytes]) -> None:
     assert ei.value.status == 400 and str(ei.value).startswith("image 1: ")
     with pytest.raises(MediaError, match="aspect ratio"):
         preprocess_images([load_image(thin)])
+
+
+@pytest.mark.parametrize("t,h,w", [(4, 90, 160), (5, 240, 320), (1, 64, 64)])
+def test_preprocess_video_matches_transformers(t: int, h: int, w: int) -> None:
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    from media import preprocess_video
+
+    frames = torch.randint(0, 256, (t, h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(t))
+    ref = Qwen2VLVideoProcessor()(
+        videos=[frames.permute(0, 3, 1, 2)], return_tensors="pt", do_sample_frames=False, cap_pixels_per_frame=False
+    )
+    ours = preprocess_video(frames)
+    assert ours.grid_thw.tolist() == ref["video_grid_thw"].tolist()
+    assert torch.equal(ours.pixel_values, ref["pixel_values_videos"])
+
+
+def test_preprocess_video_rejects_bad_frames() -> None:
+    from media import preprocess_video
+
+    with pytest.raises(ValueError, match=r"\[T, H, W, 3\]"):
+        preprocess_video(torch.zeros(2, 3, 32, 32, dtype=torch.uint8))
+    with pytest.raises(MediaError, match="no frames"):
+        preprocess_video(torch.zeros(0, 32, 32, 3, dtype=torch.uint8))
