@@ -1,1 +1,31 @@
-"""Content-addressed multimodal embedding cache."""
+"""Content-addressed multimodal embedding cache.
+
+``media_key`` names an embedding by what produced it (media kind, content,
+preprocessing parameters, encoder); ``SharedEmbeddingStore`` keeps embeddings in
+shared memory for every server process on a machine; ``ConsistentHashRing``
+decides which machine of a cluster owns a key and ``EmbeddingCache`` asks it;
+``MediaEmbedder`` puts the cache in front of preprocessing and the encoders.
+"""
+
+from embedding_cache.cluster import EmbeddingCache, RemoteCacheNode, embedding_cache_routes
+from embedding_cache.keys import KEY_BYTES, key_hex, media_key
+from embedding_cache.ring import ConsistentHashRing
+from embedding_cache.service import Embedding, MediaEmbedder, MediaEmbedderConfig
+from embedding_cache.store import DTYPE_CODES, MAX_NDIM, SharedEmbeddingStore, StoreLayoutError
+
+__all__ = [
+    "DTYPE_CODES",
+    "KEY_BYTES",
+    "MAX_NDIM",
+    "ConsistentHashRing",
+    "Embedding",
+    "EmbeddingCache",
+    "MediaEmbedder",
+    "MediaEmbedderConfig",
+    "RemoteCacheNode",
+    "SharedEmbeddingStore",
+    "StoreLayoutError",
+    "embedding_cache_routes",
+    "key_hex",
+    "media_key",
+]
