@@ -70,6 +70,12 @@ def _bench(args: argparse.Namespace) -> int:
         from media.bench_image import image_bench
 
         result = image_bench(num_images=args.num_images, seed=args.seed)
+    elif args.name == "encoder":
+        from encoders.bench import encoder_bench
+
+        result = encoder_bench(concurrency=args.concurrency, num_requests=args.encoder_requests,
+                               repeats=args.repeats, seed=args.seed, max_wait_ms=args.max_wait_ms,
+                               threads=args.torch_threads)
     else:
         from llm_core.bench.throughput import throughput
 
@@ -119,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=_init_checkpoint)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
-    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image"])
+    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv: model shape")
     bench.add_argument("--context", type=int, default=131072, help="kv: tokens per request")
@@ -130,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fps", type=float, default=2.0, help="video: sampling rate")
     bench.add_argument("--threads", type=int, help="video: decode threads (default: usable cores)")
     bench.add_argument("--num-images", type=int, default=64, help="image: JPEGs in the batch")
-    bench.add_argument("--repeats", type=int, default=2, help="throughput: best of N runs per side")
+    bench.add_argument("--repeats", type=int, default=2, help="throughput, encoder: best of N runs per side")
+    bench.add_argument("--concurrency", type=int, default=16, help="encoder: concurrent clients")
+    bench.add_argument("--encoder-requests", type=int, default=256, help="encoder: single-item requests")
+    bench.add_argument("--max-wait-ms", type=float, default=5.0, help="encoder: batching window")
+    bench.add_argument("--torch-threads", type=int, help="encoder: torch intra-op threads (default: torch's)")
     bench.add_argument("--trace", help="prefix-cache: agentic session directory or Mooncake .jsonl")
     bench.add_argument("--full-pool-tokens", type=int, default=4_000_000, help="prefix-cache: full pool")
     bench.add_argument("--swa-fraction", type=float, default=0.05, help="prefix-cache: SWA pool / full pool")
