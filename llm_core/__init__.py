@@ -2,6 +2,7 @@
 
 from llm_core.config import AttentionSpec, ConfigError, ModelConfig
 from llm_core.llm import LLM, RequestOutput
+from llm_core.multimodal import MultimodalSpan
 from llm_core.sampling import SamplingParams
 from llm_core.weights import CheckpointError
 
@@ -11,6 +12,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ModelConfig",
+    "MultimodalSpan",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool, SWAMode
 from llm_core.model import MiMoV2ForCausalLM
+from llm_core.multimodal import MultimodalSpan, check_spans, with_cache_tokens
 from llm_core.paged_attention import (
     AttentionFn,
     KVCacheTensors,
@@ -112,6 +114,9 @@ class Engine:
         self.attention_fn = resolve_attention(config.attention, device)
         self._sampling: dict[int, _Sampling] = {}
         self._sequences: dict[int, Sequence] = {}
+        # Multimodal spans of running requests only (embeddings already on the
+        # engine's device and dtype); requests without spans have no entry.
+        self._spans: dict[int, tuple[MultimodalSpan, ...]] = {}
         self._next_id = 0
 
     # -------------------------------------------------------------- requests
@@ -123,16 +128,39 @@ class Engine:
                 f"memory than the pool holds ({self.allocator.full.capacity} tokens)"
             )
 
-    def add_request(self, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...] = ()) -> int:
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        eos_ids: tuple[int, ...] = (),
+        mm_spans: SequenceOf[MultimodalSpan] = (),
+    ) -> int:
+        """Queue a request. Each of ``mm_spans`` replaces the embeddings of its
+        prompt positions (the placeholder tokens there are only looked up, never fed)."""
+        check_spans(mm_spans, len(prompt), self.model.config.hidden_size)
         self.check_fits(len(prompt), params.max_tokens)
+        spans = self._place_spans(mm_spans)
         request_id = self._next_id
         self._next_id += 1
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self._sampling[request_id] = _Sampling(params, frozenset(stop_ids), make_generator(params, self.device))
-        seq = Sequence(request_id, list(prompt), params.max_tokens, self.allocator.new_view())
+        # Prefix-cache keys see each span's content key, not its placeholder ids.
+        cache_prompt = with_cache_tokens(prompt, spans) if spans else list(prompt)
+        seq = Sequence(request_id, cache_prompt, params.max_tokens, self.allocator.new_view())
         self._sequences[request_id] = seq
+        if spans:
+            self._spans[request_id] = spans
         self.scheduler.add(seq)
         return request_id
+
+    def _place_spans(self, spans: SequenceOf[MultimodalSpan]) -> tuple[MultimodalSpan, ...]:
+        """The spans with embeddings on the engine's device and dtype, moved
+        once here rather than on every forward that reads them."""
+        dtype = self.model.model.embed_tokens.weight.dtype
+        return tuple(
+            replace(span, embeddings=span.embeddings.detach().to(device=self.device, dtype=dtype))
+            for span in spans
+        )
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now and free all its KV. False if it already ended."""
@@ -141,6 +169,7 @@ class Engine:
             return False
         self.scheduler.finish(seq, "abort")
         del self._sampling[request_id]
+        self._spans.pop(request_id, None)
         return True
 
     def has_unfinished(self) -> bool:
@@ -183,7 +212,33 @@ class Engine:
         swa_batch = PagedBatch.build(q_ranges, swa_slots, swa_first, swa_write, self.device)
         backend = PagedAttentionBackend(self.kv, full_batch, swa_batch, self.attention_fn)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model(input_ids, full_batch.q_pos, backend)
+        inputs_embeds = self._embed_with_spans(chunks, input_ids) if self._spans else None
+        return self.model(input_ids, full_batch.q_pos, backend, inputs_embeds=inputs_embeds)
+
+    def _embed_with_spans(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Token embeddings of the batch with every span position's row taken
+        from its span, or None when no chunk touches a span.
+
+        A chunk may start or end inside a span (chunked prefill, a cache hit,
+        recompute after preemption): only the overlapping rows are copied.
+        """
+        placements: list[tuple[int, torch.Tensor]] = []  # (batch row, span rows)
+        row = 0
+        for chunk in chunks:
+            start, end = chunk.start, chunk.start + chunk.length
+            for span in self._spans.get(chunk.seq.request_id, ()):
+                lo, hi = max(start, span.offset), min(end, span.end)
+                if lo < hi:
+                    placements.append((row + lo - start, span.embeddings[lo - span.offset : hi - span.offset]))
+            row += chunk.length
+        if not placements:
+            return None
+        # Span positions hold negative cache tokens; any valid id does for the
+        # lookup, as those rows are overwritten below.
+        embeds = self.model.model.embed_tokens(input_ids.clamp_(min=0))
+        for first, rows in placements:
+            embeds[first : first + rows.shape[0]] = rows
+        return embeds
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
         sampling = self._sampling[seq.request_id]
@@ -198,6 +253,7 @@ class Engine:
             self.scheduler.finish(seq, reason)
             del self._sampling[seq.request_id]
             del self._sequences[seq.request_id]
+            self._spans.pop(seq.request_id, None)
         return TokenEvent(seq.request_id, token, reason)
 
     def flush_cache(self) -> None:

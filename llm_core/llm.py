@@ -11,6 +11,7 @@ import torch
 
 from llm_core.config import ModelConfig
 from llm_core.engine import Engine, EngineConfig, TokenEvent
+from llm_core.multimodal import MultimodalSpan, check_spans
 from llm_core.sampling import SamplingParams
 from llm_core.tokenizer import Tokenizer
 from llm_core.weights import load_model
@@ -87,23 +88,27 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_token: TokenCallback | None = None,
+        mm_spans: Sequence[Sequence[MultimodalSpan]] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; all are validated before any is run.
 
         ``on_token`` streams tokens as they are sampled (prompt index, token,
-        finish reason or None).
+        finish reason or None). ``mm_spans`` gives each prompt its multimodal
+        spans (embedding rows replacing placeholder tokens), one list per prompt.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        spans_list = _as_spans_list(mm_spans, len(prompt_list))
         encoded = [self.encode_prompt(p) for p in prompt_list]
-        for ids, params in zip(encoded, params_list):
+        for ids, params, spans in zip(encoded, params_list, spans_list):
+            check_spans(spans, len(ids), self.config.hidden_size)
             self.check_length(len(ids), params.max_tokens)
         ids_of: list[int] = []
         tokens: list[list[int]] = [[] for _ in encoded]
         reasons: list[str | None] = [None] * len(encoded)
         try:
-            for ids, params in zip(encoded, params_list):
-                ids_of.append(self.add_request(ids, params))
+            for ids, params, spans in zip(encoded, params_list, spans_list):
+                ids_of.append(self.add_request(ids, params, spans))
             index_of = {rid: i for i, rid in enumerate(ids_of)}
             while any(r is None for r in reasons):
                 for event in self.step():
@@ -122,8 +127,10 @@ class LLM:
         ]
 
     # ------------------------------------------------------- engine passthrough
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        return self.engine.add_request(prompt_ids, params, self.config.eos_token_ids)
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, mm_spans: Sequence[MultimodalSpan] = ()
+    ) -> int:
+        return self.engine.add_request(prompt_ids, params, self.config.eos_token_ids, mm_spans)
 
     def step(self) -> list[TokenEvent]:
         with torch.inference_mode():
@@ -149,6 +156,19 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _as_spans_list(
+    spans: Sequence[Sequence[MultimodalSpan]] | None, n: int
+) -> list[Sequence[MultimodalSpan]]:
+    if spans is None:
+        return [()] * n
+    spans = list(spans)
+    if len(spans) != n:
+        raise ValueError(f"got {len(spans)} multimodal span lists for {n} prompts (one list per prompt)")
+    if any(isinstance(s, MultimodalSpan) for s in spans):
+        raise ValueError("mm_spans takes one list of spans per prompt, not the spans themselves")
+    return spans
 
 
 def _as_params_list(

@@ -142,9 +142,15 @@ class MiMoV2ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, backend)
+        """Final hidden states; ``inputs_embeds`` (e.g. with multimodal rows)
+        replaces the token embedding lookup of ``input_ids``."""
+        return self.model(input_ids, positions, backend, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
