@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -68,8 +69,11 @@ def _normal(tensor: torch.Tensor, std: float, generator: torch.Generator) -> Non
         tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
 
 
-def train_byte_level_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE tokenizer filling exactly ``vocab_size`` ids."""
+def train_byte_level_tokenizer(
+    vocab_size: int, seed: int = 0, special_tokens: Sequence[str] = SPECIAL_TOKENS
+) -> Tokenizer:
+    """A byte-level BPE tokenizer filling exactly ``vocab_size`` ids; the special
+    tokens take the first ids."""
     rng = random.Random(seed)
     corpus = [" ".join(rng.choice(_WORDS) for _ in range(12)) for _ in range(4000)]
     tokenizer = Tokenizer(models.BPE())
@@ -77,7 +81,7 @@ def train_byte_level_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -85,12 +89,14 @@ def train_byte_level_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
     return tokenizer
 
 
-def write_random_checkpoint(out_dir: str | Path, config: ModelConfig, seed: int = 0) -> Path:
+def write_random_checkpoint(
+    out_dir: str | Path, config: ModelConfig, seed: int = 0, special_tokens: Sequence[str] = SPECIAL_TOKENS
+) -> Path:
     out = Path(out_dir)
     model = random_model(config, seed)
     out.mkdir(parents=True, exist_ok=True)
     save_model(model, out)
     (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
-    if config.vocab_size >= 256 + len(SPECIAL_TOKENS):
-        train_byte_level_tokenizer(config.vocab_size, seed).save(str(out / "tokenizer.json"))
+    if config.vocab_size >= 256 + len(special_tokens):
+        train_byte_level_tokenizer(config.vocab_size, seed, special_tokens).save(str(out / "tokenizer.json"))
     return out

@@ -28,3 +28,9 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int:
+        found = self._tok.token_to_id(token)
+        if found is None:
+            raise KeyError(f"the tokenizer has no token {token!r}")
+        return int(found)
