@@ -1,0 +1,110 @@
+"""Prometheus metrics of one server instance.
+
+Every ServerMetrics owns a private CollectorRegistry: several apps may live in
+one process (tests do this), and the global registry would make them share
+counters or fail on duplicate names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# From a cached 1-token prompt (~1 ms) to a long video prompt behind a queue (~1 min).
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+# Decode steps take ~ms; stalls (preemption, a long prefill in the same batch) reach seconds.
+INTER_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ENCODER_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ServerMetrics:
+    content_type: str = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "swallow_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.request_errors = Counter(
+            "swallow_request_errors", "HTTP requests answered with status >= 400", ["endpoint", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "swallow_time_to_first_token_seconds", "Time from request arrival to first token",
+            buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.inter_token = Histogram(
+            "swallow_inter_token_latency_seconds", "Time between consecutive streamed tokens",
+            buckets=INTER_TOKEN_BUCKETS, registry=r,
+        )
+        self.waiting = Gauge("swallow_requests_waiting", "Requests queued for the engine", registry=r)
+        self.running = Gauge("swallow_requests_running", "Requests the engine is generating for", registry=r)
+        self.pool_capacity = Gauge("swallow_kv_pool_capacity_tokens", "KV pool size in tokens", ["pool"], registry=r)
+        self.pool_used = Gauge("swallow_kv_pool_used_tokens", "KV pool tokens in use", ["pool"], registry=r)
+        self.pool_usage = Gauge("swallow_kv_pool_usage_ratio", "KV pool fraction in use (0..1)", ["pool"], registry=r)
+        self.prefix_hit_rate = Gauge(
+            "swallow_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache", registry=r
+        )
+        self.prefix_cached_tokens = Gauge(
+            "swallow_prefix_cache_cached_tokens", "Prompt tokens served from the prefix cache since start", registry=r
+        )
+        # A gauge, not a counter: it mirrors the engine's own running total.
+        self.preemptions = Gauge("swallow_preemptions", "Requests preempted by the scheduler since start", registry=r)
+        self.encoder_batch = Histogram(
+            "swallow_encoder_batch_size", "Items per encoder batch", ["encoder"],
+            buckets=ENCODER_BATCH_BUCKETS, registry=r,
+        )
+        self.embedding_cache = Counter(
+            "swallow_embedding_cache_requests", "Embedding cache lookups", ["kind", "result"], registry=r
+        )
+        self.prompt_tokens = Counter("swallow_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("swallow_generation_tokens", "Tokens generated", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe_request(self, endpoint: str, status: int) -> None:
+        labels = {"endpoint": endpoint, "status": str(status)}
+        self.requests.labels(**labels).inc()
+        if status >= 400:
+            self.request_errors.labels(**labels).inc()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.inter_token.observe(seconds)
+
+    def set_queue_depth(self, waiting: int, running: int) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+
+    def set_engine_stats(self, stats: dict[str, Any]) -> None:
+        """Mirror `LLM.stats()`: KV pools, prefix cache, queue depth, preemptions."""
+        for key, pool in stats.items():
+            if key.endswith("_pool") and isinstance(pool, dict):
+                self._set_pool(key.removesuffix("_pool"), pool)
+        cache = stats.get("prefix_cache")
+        if cache is not None:  # None: prefix caching is off, nothing to report
+            self.prefix_hit_rate.set(cache.get("hit_rate", 0.0))
+            self.prefix_cached_tokens.set(cache.get("cached_prompt_tokens", 0))
+        self.set_queue_depth(stats.get("waiting_requests", 0), stats.get("running_requests", 0))
+        self.preemptions.set(stats.get("preemptions", 0))
+
+    def _set_pool(self, pool: str, stats: dict[str, Any]) -> None:
+        capacity = stats.get("capacity_tokens", 0)
+        used = capacity - stats.get("free_tokens", capacity)
+        self.pool_capacity.labels(pool=pool).set(capacity)
+        self.pool_used.labels(pool=pool).set(used)
+        self.pool_usage.labels(pool=pool).set(used / capacity if capacity else 0.0)
+
+    def observe_encoder_batch(self, encoder: str, items: int) -> None:
+        self.encoder_batch.labels(encoder=encoder).observe(items)
+
+    def count_embedding(self, kind: str, cached: bool) -> None:
+        self.embedding_cache.labels(kind=kind, result="hit" if cached else "miss").inc()
+
+    def count_tokens(self, prompt: int, completion: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(completion)

@@ -1,0 +1,176 @@
+"""ServerMetrics as Prometheus scrapes it: parsed back from render()."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.metrics import ServerMetrics
+
+
+def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} from the exposition text."""
+    text = metrics.render().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(metrics: ServerMetrics, name: str, **labels: str) -> float | None:
+    return samples(metrics).get((name, tuple(sorted(labels.items()))))
+
+
+ENGINE_STATS = {
+    "prefix_cache": {
+        "cached_prompt_tokens": 300, "computed_prompt_tokens": 700, "hit_rate": 0.3, "nodes": 5, "swa_slots_cached": 2,
+    },
+    "swa_mode": "ring",
+    "full_pool": {"capacity_tokens": 1000, "free_tokens": 250, "bytes_per_token": 64},
+    "swa_pool": {"capacity_tokens": 400, "free_tokens": 400, "bytes_per_token": 32},
+    "running_requests": 3,
+    "waiting_requests": 7,
+    "preemptions": 11,
+}
+
+
+def test_content_type_and_render_is_prometheus_text() -> None:
+    metrics = ServerMetrics()
+    assert metrics.content_type.startswith("text/plain") and "version=" in metrics.content_type
+    assert isinstance(metrics.render(), bytes)
+    assert b"# TYPE swallow_requests_total counter" in metrics.render()
+
+
+def test_observe_request_counts_errors_separately() -> None:
+    metrics = ServerMetrics()
+    metrics.observe_request("/v1/chat/completions", 200)
+    metrics.observe_request("/v1/chat/completions", 200)
+    metrics.observe_request("/v1/chat/completions", 413)
+    metrics.observe_request("/v1/files", 500)
+
+    assert value(metrics, "swallow_requests_total", endpoint="/v1/chat/completions", status="200") == 2
+    assert value(metrics, "swallow_requests_total", endpoint="/v1/chat/completions", status="413") == 1
+    assert value(metrics, "swallow_requests_total", endpoint="/v1/files", status="500") == 1
+    assert value(metrics, "swallow_request_errors_total", endpoint="/v1/chat/completions", status="413") == 1
+    assert value(metrics, "swallow_request_errors_total", endpoint="/v1/files", status="500") == 1
+    assert value(metrics, "swallow_request_errors_total", endpoint="/v1/chat/completions", status="200") is None
+
+
+@pytest.mark.parametrize(
+    ("observe", "name", "low", "high"),
+    [
+        ("observe_ttft", "swallow_time_to_first_token_seconds", 0.001, 60.0),
+        ("observe_inter_token", "swallow_inter_token_latency_seconds", 0.0005, 10.0),
+    ],
+)
+def test_latency_histograms(observe: str, name: str, low: float, high: float) -> None:
+    metrics = ServerMetrics()
+    for seconds in (low / 2, 0.02, high * 2):
+        getattr(metrics, observe)(seconds)
+
+    assert value(metrics, f"{name}_count") == 3
+    assert math.isclose(value(metrics, f"{name}_sum"), low / 2 + 0.02 + high * 2)
+    buckets = {float(le): v for (n, labels), v in samples(metrics).items() if n == f"{name}_bucket" for _, le in labels}
+    assert min(buckets) == low and max(b for b in buckets if b != math.inf) == high
+    assert buckets[low] == 1  # only low / 2
+    assert buckets[high] == 2  # high * 2 overflows into +Inf
+    assert buckets[math.inf] == 3
+
+
+def test_queue_depth_gauges() -> None:
+    metrics = ServerMetrics()
+    metrics.set_queue_depth(waiting=4, running=2)
+    assert value(metrics, "swallow_requests_waiting") == 4
+    assert value(metrics, "swallow_requests_running") == 2
+    metrics.set_queue_depth(waiting=0, running=1)
+    assert value(metrics, "swallow_requests_waiting") == 0
+
+
+def test_engine_stats() -> None:
+    metrics = ServerMetrics()
+    metrics.set_engine_stats(ENGINE_STATS)
+
+    assert value(metrics, "swallow_kv_pool_capacity_tokens", pool="full") == 1000
+    assert value(metrics, "swallow_kv_pool_used_tokens", pool="full") == 750
+    assert value(metrics, "swallow_kv_pool_usage_ratio", pool="full") == 0.75
+    assert value(metrics, "swallow_kv_pool_capacity_tokens", pool="swa") == 400
+    assert value(metrics, "swallow_kv_pool_used_tokens", pool="swa") == 0
+    assert value(metrics, "swallow_kv_pool_usage_ratio", pool="swa") == 0
+    assert value(metrics, "swallow_prefix_cache_hit_rate") == 0.3
+    assert value(metrics, "swallow_prefix_cache_cached_tokens") == 300
+    assert value(metrics, "swallow_preemptions") == 11
+    assert value(metrics, "swallow_requests_waiting") == 7
+    assert value(metrics, "swallow_requests_running") == 3
+
+
+def test_engine_stats_without_prefix_cache_and_with_empty_pool() -> None:
+    metrics = ServerMetrics()
+    stats = ENGINE_STATS | {"prefix_cache": None, "swa_pool": {"capacity_tokens": 0, "free_tokens": 0}}
+    metrics.set_engine_stats(stats)
+    assert value(metrics, "swallow_kv_pool_usage_ratio", pool="swa") == 0
+    assert value(metrics, "swallow_prefix_cache_hit_rate") == 0
+    # The preemption gauge follows the engine's total, it does not accumulate.
+    metrics.set_engine_stats(stats | {"preemptions": 12})
+    assert value(metrics, "swallow_preemptions") == 12
+
+
+def test_engine_stats_from_a_real_engine(tiny_checkpoint) -> None:
+    from llm_core import LLM
+
+    metrics = ServerMetrics()
+    metrics.set_engine_stats(LLM(tiny_checkpoint).stats())
+    capacity = value(metrics, "swallow_kv_pool_capacity_tokens", pool="full")
+    assert capacity and capacity > 0
+    assert value(metrics, "swallow_kv_pool_used_tokens", pool="full") == 0
+
+
+def test_encoder_batch_histogram() -> None:
+    metrics = ServerMetrics()
+    for items in (1, 3, 300):
+        metrics.observe_encoder_batch("vision", items)
+    metrics.observe_encoder_batch("audio", 8)
+
+    assert value(metrics, "swallow_encoder_batch_size_count", encoder="vision") == 3
+    assert value(metrics, "swallow_encoder_batch_size_sum", encoder="vision") == 304
+    assert value(metrics, "swallow_encoder_batch_size_bucket", encoder="vision", le="1.0") == 1
+    assert value(metrics, "swallow_encoder_batch_size_bucket", encoder="vision", le="4.0") == 2
+    assert value(metrics, "swallow_encoder_batch_size_bucket", encoder="vision", le="256.0") == 2
+    assert value(metrics, "swallow_encoder_batch_size_bucket", encoder="vision", le="+Inf") == 3
+    assert value(metrics, "swallow_encoder_batch_size_count", encoder="audio") == 1
+
+
+def test_embedding_cache_hits_and_misses() -> None:
+    metrics = ServerMetrics()
+    metrics.count_embedding("image", cached=True)
+    metrics.count_embedding("image", cached=True)
+    metrics.count_embedding("image", cached=False)
+    metrics.count_embedding("video", cached=False)
+
+    assert value(metrics, "swallow_embedding_cache_requests_total", kind="image", result="hit") == 2
+    assert value(metrics, "swallow_embedding_cache_requests_total", kind="image", result="miss") == 1
+    assert value(metrics, "swallow_embedding_cache_requests_total", kind="video", result="miss") == 1
+    assert value(metrics, "swallow_embedding_cache_requests_total", kind="video", result="hit") is None
+
+
+def test_token_counters() -> None:
+    metrics = ServerMetrics()
+    metrics.count_tokens(prompt=120, completion=30)
+    metrics.count_tokens(prompt=5, completion=0)
+    assert value(metrics, "swallow_prompt_tokens_total") == 125
+    assert value(metrics, "swallow_generation_tokens_total") == 30
+
+
+def test_instances_do_not_share_state() -> None:
+    first, second = ServerMetrics(), ServerMetrics()
+    first.observe_request("/health", 200)
+    first.count_tokens(prompt=10, completion=2)
+    first.set_engine_stats(ENGINE_STATS)
+
+    assert value(first, "swallow_requests_total", endpoint="/health", status="200") == 1
+    assert value(second, "swallow_requests_total", endpoint="/health", status="200") is None
+    assert value(second, "swallow_prompt_tokens_total") == 0
+    assert value(second, "swallow_kv_pool_capacity_tokens", pool="full") is None
+    assert first.registry is not second.registry
