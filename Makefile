@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 serve: install
+	@echo "Starting Swallow (default demo model) -- the demo page will be at http://$(HOST):$(PORT)/"
 	$(BIN)/swallow serve --host $(HOST) --port $(PORT)
 
 test: install

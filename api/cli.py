@@ -7,46 +7,99 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llm_core.config import ModelConfig
 
 
 def default_model_dir() -> Path:
     """Where `swallow serve` finds (or first writes) its default model."""
     home = Path(os.environ.get("SWALLOW_HOME", Path.home() / ".cache" / "swallow"))
-    return home / "models" / "tiny-random"
+    return home / "models" / "tiny-random-multimodal"
 
 
 def _init_checkpoint(args: argparse.Namespace) -> int:
-    from llm_core.checkpoint import write_random_checkpoint
     from llm_core.presets import get_preset
 
     config = get_preset(args.preset)
-    out = write_random_checkpoint(args.dir, config, seed=args.seed)
-    print(f"wrote a random '{args.preset}' checkpoint ({config.num_parameters():,} parameters) to {out}")
+    if args.multimodal:
+        out = write_random_multimodal(args.dir, config, seed=args.seed)
+        kind = "multimodal: vision + audio encoders, chat template; "
+    else:
+        from llm_core.checkpoint import write_random_checkpoint
+
+        out = write_random_checkpoint(args.dir, config, seed=args.seed)
+        kind = ""
+    print(f"wrote a random '{args.preset}' checkpoint ({kind}{config.num_parameters():,} LLM parameters) to {out}")
     return 0
 
 
+def write_random_multimodal(out: str | Path, config: ModelConfig, seed: int = 0) -> Path:
+    """The LLM of ``config`` with the demo-size encoders projecting to its hidden size."""
+    import dataclasses
+
+    from encoders.multimodal_checkpoint import write_random_multimodal_checkpoint
+    from encoders.presets import DEMO_AUDIO, DEMO_PREPROCESS, DEMO_VIDEO_FPS, DEMO_VIDEO_MAX_FRAMES, DEMO_VISION
+
+    preprocessor = {
+        "min_pixels": DEMO_PREPROCESS.min_pixels,
+        "max_pixels": DEMO_PREPROCESS.max_pixels,
+        "video_min_pixels": DEMO_PREPROCESS.min_pixels,
+        "video_max_pixels": DEMO_PREPROCESS.max_pixels,
+        "video_fps": DEMO_VIDEO_FPS,
+        "video_max_frames": DEMO_VIDEO_MAX_FRAMES,
+    }
+    return write_random_multimodal_checkpoint(
+        out,
+        config,
+        dataclasses.replace(DEMO_VISION, out_hidden_size=config.hidden_size),
+        dataclasses.replace(DEMO_AUDIO, out_hidden_size=config.hidden_size),
+        seed=seed,
+        preprocessor=preprocessor,
+    )
+
+
 def _ensure_default_model() -> Path:
-    from llm_core.checkpoint import write_random_checkpoint
     from llm_core.presets import tiny
 
     path = default_model_dir()
     if not (path / "config.json").exists():
-        print(f"no --model given: writing a small random demo checkpoint to {path}", flush=True)
-        write_random_checkpoint(path, tiny(), seed=0)
+        print(f"no --model given: writing a small random multimodal checkpoint to {path}", flush=True)
+        write_random_multimodal(path, tiny(), seed=0)
     return path
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from api.metrics import ServerMetrics
+    from api.runtime import ServerOptions, ServingModel
     from api.server import create_app
-    from llm_core import LLM
 
     model_dir = Path(args.model) if args.model else _ensure_default_model()
-    llm = LLM(model_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=int(args.kv_budget_mib * (1 << 20)),
-              max_running_requests=args.max_running_requests)
-    app = create_app(llm, model_name=args.served_model_name or model_dir.name)
-    print(f"Swallow is serving {model_dir} at http://{args.host}:{args.port}", flush=True)
+    options = ServerOptions(
+        api_key=args.api_key or os.environ.get("SWALLOW_API_KEY") or None,
+        max_upload_bytes=int(args.max_upload_mb * (1 << 20)),
+        spool_dir=Path(args.spool_dir) if args.spool_dir else None,
+        max_pending_requests=args.max_pending_requests,
+        embedding_cache_bytes=int(args.embedding_cache_mib * (1 << 20)),
+        embedding_cache_name=args.embedding_cache_name,
+    )
+    metrics = ServerMetrics()
+    model = ServingModel(
+        model_dir,
+        name=args.served_model_name,
+        options=options,
+        metrics=metrics,
+        device=args.device,
+        dtype=args.dtype,
+        kv_budget_bytes=int(args.kv_budget_mib * (1 << 20)),
+        max_running_requests=args.max_running_requests,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    app = create_app(model, metrics)
+    print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -115,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     serve.add_argument("--kv-budget-mib", type=float, default=256.0, help="memory for both KV pools")
     serve.add_argument("--max-running-requests", type=int, default=64)
+    serve.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set SWALLOW_API_KEY)")
+    serve.add_argument("--max-upload-mb", type=float, default=512.0, help="largest upload or request body")
+    serve.add_argument("--spool-dir", help="where uploads are written (default: a temporary directory)")
+    serve.add_argument("--max-pending-requests", type=int, default=256, help="beyond this, new requests get 429")
+    serve.add_argument("--embedding-cache-mib", type=float, default=256.0, help="shared-memory embedding cache")
+    serve.add_argument("--embedding-cache-name", help="shared-memory store name; processes naming it share it")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
@@ -122,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("dir")
     init.add_argument("--preset", default="tiny")
     init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--multimodal", action="store_true", help="add random vision/audio encoders and a chat template")
     init.set_defaults(func=_init_checkpoint)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")

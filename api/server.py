@@ -1,7 +1,11 @@
-"""Starlette app: health, model list and OpenAI-compatible text completions.
+"""The HTTP server: OpenAI-compatible chat and text completions, file uploads,
+metrics, and the video-QA demo page.
 
-The engine is not thread-safe, so generation runs on one dedicated worker
-thread; the event loop only awaits it and streams tokens as they arrive.
+Request path for chat: parse (JSON, or multipart with a ``request`` part and file
+parts spooled to disk) -> embed each media item (embedding cache, else
+preprocess + batched encoders) -> chat template with placeholders expanded ->
+the engine thread -> tokens streamed back. Every client mistake is a 4xx with a
+reason; a client that goes away aborts its request and frees its KV.
 """
 
 from __future__ import annotations
@@ -9,202 +13,218 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llm_core import LLM, SamplingParams
+from api.chat import BadRequest, ChatRequest, MediaRef, UnsupportedMedia, parse_chat_request, parse_sampling
+from api.engine_loop import EngineOverloaded
+from api.metrics import ServerMetrics
+from api.runtime import ServingModel
+from api.textstream import TextStream
+from api.uploads import FileStore, MultipartForm, StoredFile, UploadError, parse_multipart
+from embedding_cache import Embedding
+from encoders import EncoderQueueFull
+from llm_core import MultimodalSpan, SamplingParams
+from llm_core.chat import ChatTemplateError, MediaPart, build_chat_prompt
+from media import MediaError
 
-# Incomplete UTF-8 sequences decode to this; hold such text back while streaming.
-_REPLACEMENT = "\ufffd"
+__all__ = ["create_app", "error_response"]
 
-
-class BadRequest(ValueError):
-    """A request the client must fix (answered with HTTP 400)."""
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    prompts: list[str | list[int]]
-    params: SamplingParams
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+STATIC_DIR = Path(__file__).parent / "static"
+_JSON_BODY_LIMIT = 64 << 20  # plain JSON bodies (base64 media included)
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    prompts = _parse_prompts(body.get("prompt"))
-    if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
-        raise BadRequest("only n=1 and best_of=1 are supported")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("'stop' must be a non-empty string or a list of them")
-    stream_options = body.get("stream_options") or {}
-    try:
-        params = SamplingParams(
-            max_tokens=_int_field(body, "max_tokens", 16),
-            temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)),
-            top_k=_int_field(body, "top_k", -1),
-            seed=None if body.get("seed") is None else _int_field(body, "seed", 0),
-            stop_token_ids=tuple(_int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
-            ignore_eos=bool(body.get("ignore_eos", False)),
-        )
-    except (TypeError, ValueError) as exc:
-        raise BadRequest(str(exc)) from exc
-    return CompletionRequest(
-        prompts=prompts,
-        params=params,
-        stop=tuple(stop),
-        stream=bool(body.get("stream", False)),
-        include_usage=bool(stream_options.get("include_usage", False)),
-    )
+def error_response(
+    status: int, message: str, kind: str = "invalid_request_error", headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
 
 
-def _int_field(body: dict[str, Any], name: str, default: int) -> int:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise BadRequest(f"'{name}' must be an integer, got {value!r}")
-    return value
+def _error_for(exc: Exception) -> JSONResponse | None:
+    """The 4xx/5xx answer for a failure the client should hear about, or None."""
+    if isinstance(exc, BadRequest | ChatTemplateError):
+        return error_response(400, str(exc))
+    if isinstance(exc, UnsupportedMedia):
+        return error_response(415, str(exc), "unsupported_media_type")
+    if isinstance(exc, UploadError):
+        # Refused mid-upload: closing the connection stops the client sending the rest.
+        return error_response(exc.status, exc.message, "upload_error", exc.headers)
+    if isinstance(exc, MediaError):
+        return error_response(exc.status, str(exc), "media_error")
+    if isinstance(exc, EngineOverloaded):
+        return error_response(429, str(exc), "rate_limit_exceeded")
+    if isinstance(exc, EncoderQueueFull):
+        return error_response(503, f"{exc}; retry shortly", "server_overloaded")
+    if isinstance(exc, ValueError):  # engine-side validation (length, KV pool, spans)
+        return error_response(400, str(exc))
+    return None
 
 
-def _int_list(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise BadRequest(f"'{name}' must be a list of integers")
-    return value
+# ---------------------------------------------------------------------------------------
+# Middleware
+# ---------------------------------------------------------------------------------------
 
 
-def _parse_prompts(prompt: Any) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [prompt]
-        if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
-        if all(isinstance(p, list) for p in prompt):
-            return [_int_list(p, "prompt") for p in prompt]
-    raise BadRequest("'prompt' must be a string, a list of token ids, or a list of either")
+class ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` on /v1/* when the server has a key."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization")
+            if given != self.expected:
+                reason = "missing API key" if given is None else "invalid API key"
+                await error_response(401, f"{reason}: send 'Authorization: Bearer <key>'", "authentication_error")(
+                    scope, receive, send
+                )
+                return
+        await self.app(scope, receive, send)
 
 
-def truncate_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """Text up to the first stop string, and whether one was found."""
-    cut = min((i for s in stops if (i := text.find(s)) >= 0), default=-1)
-    return (text, False) if cut < 0 else (text[:cut], True)
+class RequestMetricsMiddleware:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
 
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
 
-class CompletionService:
-    def __init__(self, llm: LLM, model_name: str) -> None:
-        self.llm = llm
-        self.model_name = model_name
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swallow-engine")
+        async def capture(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-    def validate(self, request: CompletionRequest) -> list[list[int]]:
         try:
-            ids = [self.llm.encode_prompt(p) for p in request.prompts]
-            for prompt_ids in ids:
-                self.llm.check_length(len(prompt_ids), request.params.max_tokens)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from exc
-        if request.stop and self.llm.tokenizer is None:
-            raise BadRequest("'stop' strings need a model with a tokenizer; use stop_token_ids")
-        return ids
+            await self.app(scope, receive, capture)
+        finally:
+            self.metrics.observe_request(_endpoint(scope["path"]), status)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return "" if self.llm.tokenizer is None else self.llm.tokenizer.decode(token_ids)
 
-    async def complete(self, request: CompletionRequest) -> dict[str, Any]:
-        prompt_ids = self.validate(request)
-        loop = asyncio.get_running_loop()
-        outputs = await loop.run_in_executor(self._executor, self.llm.generate, prompt_ids, request.params)
-        choices = []
-        for i, out in enumerate(outputs):
-            text, stopped = truncate_at_stop(self.decode(out.token_ids), request.stop)
-            choices.append(
+def _endpoint(path: str) -> str:
+    # File ids would give one label value per upload.
+    return "/v1/files/{id}" if path.startswith("/v1/files/") else path
+
+
+# ---------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------
+
+
+class ChatService:
+    def __init__(self, model: ServingModel, metrics: ServerMetrics) -> None:
+        self.model = model
+        self.metrics = metrics
+
+    def _decode(self, ids: list[int]) -> str:
+        tokenizer = self.model.llm.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(ids)
+
+    async def embed(self, ref: MediaRef) -> Embedding:
+        embedder = self.model.embedder
+        if ref.kind not in self.model.media_kinds or embedder is None:
+            raise BadRequest(f"this model does not take {ref.kind} input")
+        if ref.kind == "image":
+            emb = await embedder.embed_image(ref.read())
+        elif ref.kind == "video":
+            emb = await embedder.embed_video(ref.path if ref.path is not None else ref.read())
+        else:
+            emb = await embedder.embed_audio(ref.path if ref.path is not None else ref.read())
+        self.metrics.count_embedding(ref.kind, emb.cached)
+        return emb
+
+    async def prompt(self, request: ChatRequest) -> tuple[list[int], list[MultimodalSpan]]:
+        if self.model.llm.tokenizer is None:
+            raise BadRequest("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
+        embeddings = await asyncio.gather(*(self.embed(ref) for ref in request.media))
+        media = [MediaPart(ref.kind, emb.tensor, emb.key) for ref, emb in zip(request.media, embeddings)]
+        built = build_chat_prompt(
+            self.model.chat_template, self.model.llm.tokenizer, request.messages, media, self.model.placeholder_ids
+        )
+        self.model.llm.check_length(len(built.token_ids), request.params.max_tokens)
+        return built.token_ids, built.spans
+
+    async def tokens(
+        self, prompt_ids: list[int], params: SamplingParams, spans: list[MultimodalSpan], stops: tuple[str, ...]
+    ) -> AsyncIterator[tuple[str, str | None, list[int]]]:
+        """(text delta, finish reason or None, the tokens so far), with timing metrics."""
+        text = TextStream(self._decode, stops)
+        started = last = time.perf_counter()
+        async for event in self.model.engine.generate(prompt_ids, params, spans):
+            now = time.perf_counter()
+            if not text.tokens:
+                self.metrics.observe_ttft(now - started)
+            else:
+                self.metrics.observe_inter_token(now - last)
+            last = now
+            delta = text.push(event.token, final=event.finish_reason is not None)
+            finish = "stop" if text.stopped else event.finish_reason
+            yield delta, finish, text.tokens
+            if finish is not None:
+                self.metrics.count_tokens(len(prompt_ids), len(text.tokens))
+                return
+
+    async def complete(self, request: ChatRequest, prompt_ids: list[int], spans: list[MultimodalSpan]) -> dict:
+        content, finish, tokens = "", None, []
+        async for delta, finish, tokens in self.tokens(prompt_ids, request.params, spans, request.stop):
+            content += delta
+        n = len(tokens)
+        return _chat_envelope(self.model.name, "chat.completion") | {
+            "choices": [
                 {
-                    "index": i,
-                    "text": text,
-                    "token_ids": out.token_ids,
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": finish,
                     "logprobs": None,
-                    "finish_reason": "stop" if stopped else out.finish_reason,
                 }
-            )
-        completion_tokens = sum(len(o.token_ids) for o in outputs)
-        return self._envelope(choices) | {"usage": _usage(prompt_ids, completion_tokens)}
-
-    async def stream(self, request: CompletionRequest) -> AsyncIterator[str]:
-        prompt_ids = self.validate(request)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[int, int, str | None] | None] = asyncio.Queue()
-
-        def on_token(index: int, token: int, finish: str | None) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (index, token, finish))
-
-        def run() -> None:
-            try:
-                self.llm.generate(prompt_ids, request.params, on_token=on_token)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-
-        future = loop.run_in_executor(self._executor, run)
-        tokens: list[list[int]] = [[] for _ in prompt_ids]
-        sent_text = [""] * len(prompt_ids)
-        sent_tokens = [0] * len(prompt_ids)
-        done = [False] * len(prompt_ids)
-        while (item := await queue.get()) is not None:
-            index, token, finish = item
-            if done[index]:
-                continue
-            tokens[index].append(token)
-            text, stopped = truncate_at_stop(self.decode(tokens[index]), request.stop)
-            if stopped:
-                finish = "stop"
-            elif finish is None and text.endswith(_REPLACEMENT):
-                continue  # wait for the rest of a multi-byte character
-            delta, sent_text[index] = text[len(sent_text[index]) :], text
-            new_tokens, sent_tokens[index] = tokens[index][sent_tokens[index] :], len(tokens[index])
-            done[index] = finish is not None
-            choice = {"index": index, "text": delta, "token_ids": new_tokens,
-                      "logprobs": None, "finish_reason": finish}
-            yield _sse(self._envelope([choice]))
-        await future
-        if request.include_usage:
-            usage = _usage(prompt_ids, sum(len(t) for t in tokens))
-            yield _sse(self._envelope([]) | {"usage": usage})
-        yield "data: [DONE]\n\n"
-
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
+            ],
+            "usage": _usage(len(prompt_ids), n),
         }
 
+    async def stream(
+        self, request: ChatRequest, prompt_ids: list[int], spans: list[MultimodalSpan]
+    ) -> AsyncIterator[str]:
+        envelope = _chat_envelope(self.model.name, "chat.completion.chunk")
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+        yield _sse(envelope | {"choices": [first]})
+        tokens: list[int] = []
+        try:
+            async for delta, finish, tokens in self.tokens(prompt_ids, request.params, spans, request.stop):
+                if not delta and finish is None:
+                    continue
+                choice = {"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish,
+                          "logprobs": None}
+                yield _sse(envelope | {"choices": [choice]})
+        except ValueError as exc:
+            yield _sse({"error": {"message": str(exc), "type": "invalid_request_error", "code": 400}})
+        if request.include_usage:
+            yield _sse(envelope | {"choices": [], "usage": _usage(len(prompt_ids), len(tokens))})
+        yield "data: [DONE]\n\n"
 
-def _usage(prompt_ids: list[list[int]], completion_tokens: int) -> dict[str, int]:
-    prompt_tokens = sum(len(p) for p in prompt_ids)
+
+def _chat_envelope(model: str, kind: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -216,35 +236,255 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def create_app(llm: LLM, model_name: str) -> Starlette:
-    service = CompletionService(llm, model_name)
+async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``; cancel it (aborting its generation) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientDisconnect()
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise UploadError(413, f"request body exceeds the {limit >> 20} MB limit", close_connection=True)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise UploadError(413, f"request body exceeds the {limit >> 20} MB limit", close_connection=True)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Text completions
+# ---------------------------------------------------------------------------------------
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise BadRequest("'prompt' must be a string, a list of token ids, or a list of either")
+
+
+class CompletionService:
+    """/v1/completions: one engine request per prompt, all through the engine thread."""
+
+    def __init__(self, chat: ChatService) -> None:
+        self.chat = chat
+        self.llm = chat.model.llm
+
+    def parse(self, body: Any) -> tuple[list[list[int]], SamplingParams, tuple[str, ...], bool, bool]:
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
+            raise BadRequest("only n=1 and best_of=1 are supported")
+        params = parse_sampling(body | {"max_tokens": body.get("max_tokens", 16)})
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise BadRequest("'stop' must be a non-empty string or a list of them")
+        if stop and self.llm.tokenizer is None:
+            raise BadRequest("'stop' strings need a model with a tokenizer; use stop_token_ids")
+        prompts = [self.llm.encode_prompt(p) for p in _prompts(body.get("prompt"))]
+        for ids in prompts:
+            self.llm.check_length(len(ids), params.max_tokens)
+        options = body.get("stream_options") or {}
+        return prompts, params, tuple(stop), bool(body.get("stream", False)), bool(options.get("include_usage"))
+
+    async def _one(self, ids: list[int], params: SamplingParams, stop: tuple[str, ...]) -> dict[str, Any]:
+        text, finish, tokens = "", None, []
+        async for delta, finish, tokens in self.chat.tokens(ids, params, [], stop):
+            text += delta
+        return {"text": text, "finish_reason": finish, "token_ids": list(tokens)}
+
+    async def complete(self, prompts: list[list[int]], params: SamplingParams, stop: tuple[str, ...]) -> dict:
+        results = await asyncio.gather(*(self._one(ids, params, stop) for ids in prompts))
+        choices = [
+            {"index": i, "text": r["text"], "token_ids": r["token_ids"], "logprobs": None,
+             "finish_reason": r["finish_reason"]}
+            for i, r in enumerate(results)
+        ]
+        total = sum(len(r["token_ids"]) for r in results)
+        return _completion_envelope(self.chat.model.name) | {
+            "choices": choices,
+            "usage": _usage(sum(len(p) for p in prompts), total),
+        }
+
+    async def stream(
+        self, prompts: list[list[int]], params: SamplingParams, stop: tuple[str, ...], include_usage: bool
+    ) -> AsyncIterator[str]:
+        queue: asyncio.Queue[tuple[int, str, str | None, list[int]] | None] = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            sent = 0
+            async for delta, finish, tokens in self.chat.tokens(ids, params, [], stop):
+                if delta or finish is not None:
+                    await queue.put((i, delta, finish, tokens[sent:]))
+                    sent = len(tokens)
+
+        async def run_all() -> None:
+            try:
+                await asyncio.gather(*(pump(i, ids) for i, ids in enumerate(prompts)))
+            finally:
+                await queue.put(None)
+
+        runner = asyncio.ensure_future(run_all())
+        counts = [0] * len(prompts)
+        try:
+            while (item := await queue.get()) is not None:
+                i, delta, finish, new_tokens = item
+                counts[i] += len(new_tokens)
+                choice = {"index": i, "text": delta, "token_ids": new_tokens, "logprobs": None, "finish_reason": finish}
+                yield _sse(_completion_envelope(self.chat.model.name) | {"choices": [choice]})
+            await runner
+        finally:
+            runner.cancel()
+        if include_usage:
+            usage = _usage(sum(len(p) for p in prompts), sum(counts))
+            yield _sse(_completion_envelope(self.chat.model.name) | {"choices": [], "usage": usage})
+        yield "data: [DONE]\n\n"
+
+
+def _completion_envelope(model: str) -> dict[str, Any]:
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
+
+
+# ---------------------------------------------------------------------------------------
+# App
+# ---------------------------------------------------------------------------------------
+
+
+def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Starlette:
+    metrics = metrics or model.metrics or ServerMetrics()
+    options = model.options
+    spool_root = options.spool_dir or Path(tempfile.mkdtemp(prefix="swallow-uploads-"))
+    spool_root.mkdir(parents=True, exist_ok=True)
+    files = FileStore(spool_root / "files", options.max_upload_bytes)
+    chat = ChatService(model, metrics)
+    completions = CompletionService(chat)
+
+    async def guarded(request: Request, handler: Callable[[], Awaitable[Response]]) -> Response:
+        try:
+            return await handler()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status below, else re-raised
+            answer = _error_for(exc)
+            if answer is None:
+                raise
+            return answer
+
+    async def chat_completions(request: Request) -> Response:
+        form: MultipartForm | None = None
+
+        async def handle() -> Response:
+            nonlocal form
+            if request.headers.get("content-type", "").startswith("multipart/form-data"):
+                form = await parse_multipart(request, spool_root / "requests", options.max_upload_bytes)
+                if "request" not in form.fields:
+                    raise BadRequest("a multipart chat request needs a 'request' part holding the JSON body")
+                try:
+                    body = json.loads(form.fields["request"])
+                except json.JSONDecodeError as exc:
+                    raise BadRequest(f"the 'request' part is not valid JSON: {exc}") from None
+            else:
+                body = await _read_json(request, min(options.max_upload_bytes, _JSON_BODY_LIMIT))
+            parts = form.files if form is not None else {}
+
+            def lookup(file_id: str) -> StoredFile | None:
+                return parts.get(file_id) or files.get(file_id)
+
+            parsed = parse_chat_request(body, lookup)
+            prompt_ids, spans = await _until_disconnected(request, chat.prompt(parsed))
+            if form is not None:
+                form.cleanup()  # embedded: the spooled media are no longer needed
+            if parsed.stream:
+                return StreamingResponse(chat.stream(parsed, prompt_ids, spans), media_type="text/event-stream")
+            return JSONResponse(await _until_disconnected(request, chat.complete(parsed, prompt_ids, spans)))
+
+        try:
+            return await guarded(request, handle)
+        finally:
+            if form is not None:
+                form.cleanup()
+
+    async def text_completions(request: Request) -> Response:
+        async def handle() -> Response:
+            body = await _read_json(request, _JSON_BODY_LIMIT)
+            prompts, params, stop, stream, include_usage = completions.parse(body)
+            if stream:
+                return StreamingResponse(
+                    completions.stream(prompts, params, stop, include_usage), media_type="text/event-stream"
+                )
+            return JSONResponse(await _until_disconnected(request, completions.complete(prompts, params, stop)))
+
+        return await guarded(request, handle)
+
+    async def upload_file(request: Request) -> Response:
+        async def handle() -> Response:
+            stored = await files.save_upload(request)
+            if stored.media_kind is not None and stored.media_kind not in model.media_kinds:
+                files.delete(stored.id)
+                raise BadRequest(f"this model does not take {stored.media_kind} input")
+            return JSONResponse(stored.to_openai())
+
+        return await guarded(request, handle)
+
+    async def list_files(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [f.to_openai() for f in files.list()]})
+
+    async def file_detail(request: Request) -> Response:
+        file_id = request.path_params["file_id"]
+        if request.method == "DELETE":
+            deleted = files.delete(file_id)
+            if not deleted:
+                return error_response(404, f"no file {file_id!r}", "not_found")
+            return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+        stored = files.get(file_id)
+        if stored is None:
+            return error_response(404, f"no file {file_id!r}", "not_found")
+        return JSONResponse(stored.to_openai())
 
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def models(_: Request) -> Response:
         card = {
-            "id": model_name,
+            "id": model.name,
             "object": "model",
             "created": 0,
             "owned_by": "swallow",
-            "max_model_len": llm.config.max_position_embeddings,
+            "max_model_len": model.llm.config.max_position_embeddings,
+            "input_modalities": ["text", *sorted(model.media_kinds)],
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def completions(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(400, f"request body is not valid JSON: {exc}")
-        try:
-            parsed = parse_completion_request(body)
-            if parsed.stream:
-                service.validate(parsed)  # fail with 400 before the stream starts
-                return StreamingResponse(service.stream(parsed), media_type="text/event-stream")
-            return JSONResponse(await service.complete(parsed))
-        except BadRequest as exc:
-            return error_response(400, str(exc))
+    async def prometheus(_: Request) -> Response:
+        metrics.set_engine_stats(model.engine.stats())
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    async def demo_page(_: Request) -> Response:
+        page = STATIC_DIR / "index.html"
+        if not page.exists():
+            return error_response(404, "the demo page is not installed", "not_found")
+        return FileResponse(page, media_type="text/html")
 
     async def server_error(_: Request, exc: Exception) -> Response:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
@@ -252,14 +492,26 @@ def create_app(llm: LLM, model_name: str) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         yield
-        service.close()
+        await model.aclose()
+        files.close()
+        if options.spool_dir is None:
+            shutil.rmtree(spool_root, ignore_errors=True)
 
-    return Starlette(
+    app = Starlette(
         routes=[
+            Route("/", demo_page),
             Route("/health", health),
+            Route("/metrics", prometheus),
             Route("/v1/models", models),
-            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/completions", text_completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/files", upload_file, methods=["POST"]),
+            Route("/v1/files", list_files, methods=["GET"]),
+            Route("/v1/files/{file_id}", file_detail, methods=["GET", "DELETE"]),
         ],
         exception_handlers={Exception: server_error},
         lifespan=lifespan,
     )
+    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    return app

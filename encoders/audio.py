@@ -463,7 +463,8 @@ class AudioEncoder(nn.Module):
                 hidden = self.forward_chunks(features.to(device=weight.device, dtype=weight.dtype), valid)
             else:
                 # Only the valid frames are copied: a 2 s clip does not drag its 28 s of padding along.
-                chunks = [f.to(device=weight.device, dtype=weight.dtype) for it in items for f in self._used_features(it)]
+                used = [f for it in items for f in self._used_features(it)]
+                chunks = [f.to(device=weight.device, dtype=weight.dtype) for f in used]
                 hidden = self.tower.layer_norm(self._forward_trimmed_chunks(chunks, lengths))
             if self.projector is not None:
                 hidden = self.projector(hidden, lengths)

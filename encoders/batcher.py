@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -59,7 +59,8 @@ class BatcherConfig:
     workers: int = 2
 
     def __post_init__(self) -> None:
-        if self.max_wait_ms < 0 or self.arrival_gap_ms < 0 or self.max_batch_tokens < 1 or self.max_queued_items < 1 or self.workers < 1:
+        counts = (self.max_batch_tokens, self.max_queued_items, self.workers)
+        if self.max_wait_ms < 0 or self.arrival_gap_ms < 0 or min(counts) < 1:
             raise ValueError(f"invalid batcher config {self}")
 
 
@@ -109,7 +110,9 @@ class EncoderBatcher:
         encoders: Sequence[BatchEncoder] | Mapping[str, BatchEncoder],
         config: BatcherConfig = BatcherConfig(),
         executor: Executor | None = None,
+        on_batch: Callable[[str, int], None] | None = None,
     ) -> None:
+        """``on_batch(kind, items)`` is called on the event loop after every forward (metrics)."""
         pairs = encoders.items() if isinstance(encoders, Mapping) else ((e.kind, e) for e in encoders)
         self._encoders: dict[str, BatchEncoder] = dict(pairs)
         self.config = config
@@ -117,6 +120,7 @@ class EncoderBatcher:
         self._executor = executor or ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="encoder")
         self._lanes: dict[str, _Lane] = {}
         self._closed = False
+        self._on_batch = on_batch
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -232,7 +236,8 @@ class EncoderBatcher:
         try:
             outputs = await loop.run_in_executor(self._executor, lane.encoder.encode_batch, items)
             if len(outputs) != len(batch):
-                raise RuntimeError(f"{lane.encoder.kind} encoder returned {len(outputs)} outputs for {len(batch)} items")
+                kind = lane.encoder.kind
+                raise RuntimeError(f"{kind} encoder returned {len(outputs)} outputs for {len(batch)} items")
             results: list[torch.Tensor | BaseException] = list(outputs)
         except Exception:  # noqa: BLE001 - isolate the failing item below
             results = await self._one_by_one(lane, items)
@@ -241,6 +246,8 @@ class EncoderBatcher:
         lane.stats.items += len(batch)
         lane.stats.tokens += sum(p.cost for p in batch)
         lane.stats.batch_sizes[len(batch)] += 1
+        if self._on_batch is not None:
+            self._on_batch(lane.encoder.kind, len(batch))
         for p, result in zip(batch, results):
             if p.future.done():
                 continue

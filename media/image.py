@@ -606,7 +606,8 @@ def preprocess_video(
 
     Returns an ``ImageBatch`` of one item with ``grid_thw = [[T', H/patch, W/patch]]``.
     """
-    if not isinstance(frames, torch.Tensor) or frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[-1] != 3:
+    is_rgb_u8 = isinstance(frames, torch.Tensor) and frames.dtype == torch.uint8 and frames.dim() == 4
+    if not is_rgb_u8 or frames.shape[-1] != 3:
         desc = f"{frames.dtype} {tuple(frames.shape)}" if isinstance(frames, torch.Tensor) else type(frames).__name__
         raise ValueError(f"expected RGB uint8 frames [T, H, W, 3], got {desc}")
     if frames.shape[0] == 0:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from llm_core.config import ModelConfig
-from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool, SWAMode
+from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool
 from llm_core.paged_attention import KVCacheTensors
 
 GIB = 1 << 30

@@ -41,3 +41,17 @@ def test_bench_image_prints_one_json_object(capsys) -> None:
     assert len(lines) == 1
     result = json.loads(lines[0])
     assert result["num_images"] == 4 and result["batched_images_per_s"] > 0
+
+
+def test_init_checkpoint_multimodal_loads_with_encoders(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from encoders.multimodal_checkpoint import load_encoders, placeholder_token_ids
+    from llm_core.chat import ChatTemplate, DEFAULT_CHAT_TEMPLATE
+
+    out = tmp_path / "mm"
+    assert main(["init-checkpoint", str(out), "--multimodal"]) == 0
+    assert "multimodal" in capsys.readouterr().out
+    encoders = load_encoders(out)
+    assert set(encoders) == {"vision", "audio"}
+    assert all(e.config.out_hidden_size == 128 for e in encoders.values())  # the tiny LLM's hidden size
+    assert set(placeholder_token_ids(out)) == {"image", "video", "audio"}
+    assert ChatTemplate.from_model_dir(out).source == DEFAULT_CHAT_TEMPLATE

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,37 +10,13 @@ import httpx
 import pytest
 
 from llm_core import LLM, SamplingParams
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.api.live import live_server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Path) -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--model", str(tiny_checkpoint),
-         "--port", str(port), "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{proc.stdout.read() if proc.stdout else ''}")
-        time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    with live_server(tiny_checkpoint) as live:
+        yield live.url
 
 
 @pytest.fixture(scope="module")
@@ -135,13 +107,7 @@ def test_bad_requests_get_400_with_a_reason_and_the_server_keeps_serving(
 
 
 def test_a_request_larger_than_the_kv_pool_is_a_400(tiny_checkpoint: Path) -> None:
-    import asyncio
-
-    from api.server import BadRequest, CompletionService, parse_completion_request
-
-    llm = LLM(tiny_checkpoint, kv_budget_bytes=1 << 20)
-    service = CompletionService(llm, "tiny")
-    request = parse_completion_request({"prompt": [5] * 3000, "max_tokens": 10})
-    with pytest.raises(BadRequest, match="more KV memory than the pool holds"):
-        asyncio.run(service.complete(request))
-    service.close()
+    with live_server(tiny_checkpoint, "--kv-budget-mib", "1") as live:
+        r = httpx.post(f"{live.url}/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 10}, timeout=60)
+        assert r.status_code == 400
+        assert "more KV memory than the pool holds" in r.json()["error"]["message"]

@@ -110,7 +110,8 @@ def test_video_and_audio_round_trip(store: SharedEmbeddingStore, tmp_path: Path)
         a2 = await embedder.embed_audio(_wav(0))
         assert not a1.cached and a2.cached and torch.equal(a1.tensor, a2.tensor)
         # 0.7 s = 70 mel frames of 10 ms
-        expected = batcher.encoder("audio").num_tokens(AudioInput(torch.zeros(1, AUDIO.num_mel_bins, AUDIO.chunk_frames), 70))
+        silence = torch.zeros(1, AUDIO.num_mel_bins, AUDIO.chunk_frames)
+        expected = batcher.encoder("audio").num_tokens(AudioInput(silence, 70))
         assert a1.num_tokens == expected
         await batcher.aclose()
         embedder.close()

@@ -1,0 +1,243 @@
+"""OpenAI chat-completions requests: validation and media references.
+
+Content parts accepted in user messages:
+
+- ``{"type": "text", "text": ...}``
+- ``{"type": "image_url", "image_url": {"url": U}}`` and ``{"type": "video_url", "video_url": {"url": U}}``
+  where ``U`` is a ``data:`` URL, an uploaded file's id (``POST /v1/files``) or,
+  in a multipart request, the form field name of one of its file parts;
+- ``{"type": "input_audio", "input_audio": {"data": BASE64, "format": "wav"}}``;
+- ``{"type": "file", "file": {"file_id": ID}}`` or ``{"file": {"file_data": BASE64 or data: URL}}``,
+  whose media type is sniffed from the content.
+
+Remote ``http(s)`` URLs are refused: the server downloads nothing on a user's behalf.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from api.uploads import StoredFile, sniff_media_kind
+from llm_core import SamplingParams
+
+__all__ = ["BadRequest", "ChatRequest", "MediaRef", "UnsupportedMedia", "parse_chat_request", "parse_sampling"]
+
+_ROLES = ("system", "user", "assistant")
+
+
+class BadRequest(ValueError):
+    """A request the client must fix (HTTP 400)."""
+
+
+class UnsupportedMedia(ValueError):
+    """Media of a type the server cannot decode (HTTP 415)."""
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """One media item of a request: where its bytes are and what it is."""
+
+    kind: str  # "image" | "video" | "audio"
+    data: bytes | None = None
+    path: Path | None = None
+
+    def read(self) -> bytes:
+        if self.data is not None:
+            return self.data
+        assert self.path is not None
+        return self.path.read_bytes()
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    # Messages for the chat template: content is a string or a list of
+    # {"type": "text", "text"} / {"type": kind} parts; media parts in order of `media`.
+    messages: list[dict[str, Any]]
+    media: list[MediaRef]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+FileLookup = Callable[[str], StoredFile | None]
+
+
+def parse_chat_request(body: Any, lookup_file: FileLookup) -> ChatRequest:
+    """Validate an OpenAI chat body; ``lookup_file(id)`` resolves file references
+    (multipart parts of this request first, then uploaded files)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    raw_messages = body.get("messages")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise BadRequest("'messages' must be a non-empty list")
+    if body.get("n", 1) != 1:
+        raise BadRequest("only n=1 is supported")
+    media: list[MediaRef] = []
+    messages = [_parse_message(i, m, media, lookup_file) for i, m in enumerate(raw_messages)]
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise BadRequest("'stream_options' must be an object")
+    return ChatRequest(
+        messages=messages,
+        media=media,
+        params=parse_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens")),
+        stop=_parse_stop(body.get("stop")),
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(stream_options.get("include_usage", True)),
+    )
+
+
+def parse_sampling(body: Mapping[str, Any], max_tokens_keys: tuple[str, ...] = ("max_tokens",)) -> SamplingParams:
+    key = next((k for k in max_tokens_keys if body.get(k) is not None), None)
+    try:
+        return SamplingParams(
+            max_tokens=256 if key is None else _int(body[key], key),
+            temperature=_float(body.get("temperature", 1.0), "temperature"),
+            top_p=_float(body.get("top_p", 1.0), "top_p"),
+            top_k=_int(body.get("top_k", -1), "top_k"),
+            seed=None if body.get("seed") is None else _int(body["seed"], "seed"),
+            stop_token_ids=tuple(_int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
+            ignore_eos=bool(body.get("ignore_eos", False)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(str(exc)) from exc
+
+
+def _parse_stop(stop: Any) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("'stop' must be a non-empty string or a list of them")
+    return tuple(stops)
+
+
+def _int(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be an integer, got {value!r}")
+    return value
+
+
+def _float(value: Any, name: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a number, got {value!r}")
+    return float(value)
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise BadRequest(f"'{name}' must be a list of integers")
+    return value
+
+
+def _parse_message(i: int, message: Any, media: list[MediaRef], lookup: FileLookup) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise BadRequest(f"messages[{i}] must be an object")
+    role = message.get("role")
+    if role not in _ROLES:
+        raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}")
+    content = message.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise BadRequest(f"messages[{i}].content must be a string or a list of content parts")
+    parts = [_parse_part(f"messages[{i}].content[{j}]", p, role, media, lookup) for j, p in enumerate(content)]
+    return {"role": role, "content": parts}
+
+
+def _parse_part(
+    where: str, part: Any, role: str, media: list[MediaRef], lookup: FileLookup
+) -> dict[str, Any]:
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise BadRequest(f"{where} must be an object with a 'type'")
+    kind = part["type"]
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where}.text must be a string")
+        return {"type": "text", "text": part["text"]}
+    if role != "user":
+        raise BadRequest(f"{where}: only user messages may carry {kind} parts")
+    ref = _media_ref(where, kind, part, lookup)
+    media.append(ref)
+    return {"type": ref.kind}
+
+
+def _media_ref(where: str, kind: str, part: dict[str, Any], lookup: FileLookup) -> MediaRef:
+    if kind in ("image_url", "video_url"):
+        field = part.get(kind)
+        url = field.get("url") if isinstance(field, dict) else field
+        if not isinstance(url, str) or not url:
+            raise BadRequest(f"{where}.{kind}.url must be a string")
+        return _from_url(where, url, "image" if kind == "image_url" else "video", lookup)
+    if kind == "input_audio":
+        field = part.get("input_audio")
+        if not isinstance(field, dict) or not isinstance(field.get("data"), str):
+            raise BadRequest(f"{where}.input_audio.data must be a base64 string")
+        return _sniffed(where, _b64(where, field["data"]), expected="audio")
+    if kind == "file":
+        field = part.get("file")
+        if not isinstance(field, dict):
+            raise BadRequest(f"{where}.file must be an object with 'file_id' or 'file_data'")
+        if isinstance(field.get("file_id"), str):
+            return _from_file(where, field["file_id"], None, lookup)
+        if isinstance(field.get("file_data"), str):
+            data = field["file_data"]
+            raw = _data_url(where, data) if data.startswith("data:") else _b64(where, data)
+            return _sniffed(where, raw, expected=None)
+        raise BadRequest(f"{where}.file must hold 'file_id' or 'file_data'")
+    raise BadRequest(f"{where}: unsupported content part type {kind!r}")
+
+
+def _from_url(where: str, url: str, expected: str, lookup: FileLookup) -> MediaRef:
+    if url.startswith("data:"):
+        return _sniffed(where, _data_url(where, url), expected=expected)
+    if url.startswith(("http://", "https://", "ftp://", "file:")):
+        raise BadRequest(
+            f"{where}: remote URLs are not fetched; send the media as a data: URL, "
+            "a multipart file part, or a file uploaded with POST /v1/files"
+        )
+    return _from_file(where, url, expected, lookup)
+
+
+def _from_file(where: str, file_id: str, expected: str | None, lookup: FileLookup) -> MediaRef:
+    stored = lookup(file_id)
+    if stored is None:
+        raise BadRequest(f"{where}: no uploaded file or multipart part named {file_id!r}")
+    if stored.media_kind is None:
+        raise UnsupportedMedia(f"{where}: file {file_id!r} ({stored.filename}) is not an image, video or audio file")
+    _check_kind(where, stored.media_kind, expected)
+    return MediaRef(stored.media_kind, path=stored.path)
+
+
+def _sniffed(where: str, data: bytes, expected: str | None) -> MediaRef:
+    if not data:
+        raise BadRequest(f"{where}: the media is empty")
+    found = sniff_media_kind(data[:64])
+    if found is None:
+        raise UnsupportedMedia(f"{where}: unsupported media type (not a known image, video or audio format)")
+    _check_kind(where, found, expected)
+    return MediaRef(found, data=data)
+
+
+def _check_kind(where: str, found: str, expected: str | None) -> None:
+    # An image_url holding a video (or the reverse) is a client mistake worth naming.
+    if expected is not None and found != expected:
+        raise BadRequest(f"{where}: expected {expected} data, got {found}")
+
+
+def _data_url(where: str, url: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or ";base64" not in header:
+        raise BadRequest(f"{where}: data URLs must be base64 ('data:<type>;base64,<data>')")
+    return _b64(where, payload)
+
+
+def _b64(where: str, text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadRequest(f"{where}: invalid base64 data ({exc})") from None

@@ -1,0 +1,130 @@
+"""Everything one served model needs: the LLM on its engine thread, its chat
+template, and (for a multimodal checkpoint) encoders, batcher and embedding cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from api.engine_loop import AsyncEngine
+from api.metrics import ServerMetrics
+from embedding_cache import MediaEmbedder, MediaEmbedderConfig, SharedEmbeddingStore
+from encoders import BatcherConfig, EncoderBatcher
+from encoders.multimodal_checkpoint import load_encoders, placeholder_token_ids
+from llm_core import LLM
+from llm_core.chat import ChatTemplate
+from media import VIDEO_PREPROCESS, MediaLimits, VisionPreprocessConfig
+
+__all__ = ["ServerOptions", "ServingModel", "media_config"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    api_key: str | None = None
+    max_upload_bytes: int = 512 << 20
+    spool_dir: Path | None = None  # default: a fresh directory under the system temp dir
+    max_pending_requests: int = 256
+    embedding_cache_bytes: int = 256 << 20
+    # Processes on one machine that name the same store share embeddings.
+    embedding_cache_name: str | None = None
+
+
+def media_config(model_dir: Path, limits: MediaLimits) -> MediaEmbedderConfig:
+    """Image/video preprocessing from ``preprocessor_config.json`` (Qwen2-VL field names,
+    plus ``video_min_pixels``/``video_max_pixels``/``video_fps``/``video_max_frames``)."""
+    path = model_dir / "preprocessor_config.json"
+    raw: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    shared = {
+        k: (tuple(raw[k]) if isinstance(raw[k], list) else raw[k])
+        for k in ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std")
+        if k in raw
+    }
+    base = VisionPreprocessConfig(**shared)
+    image = VisionPreprocessConfig(
+        **shared,
+        min_pixels=raw.get("min_pixels", base.min_pixels),
+        max_pixels=raw.get("max_pixels", base.max_pixels),
+    )
+    video = VisionPreprocessConfig(
+        **shared,
+        min_pixels=raw.get("video_min_pixels", VIDEO_PREPROCESS.min_pixels),
+        max_pixels=raw.get("video_max_pixels", VIDEO_PREPROCESS.max_pixels),
+    )
+    return MediaEmbedderConfig(
+        image=image,
+        video=video,
+        video_fps=float(raw.get("video_fps", 2.0)),
+        video_max_frames=int(raw.get("video_max_frames", 64)),
+        limits=limits,
+    )
+
+
+class ServingModel:
+    """The model a server answers with. Create inside the running event loop."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        name: str | None = None,
+        options: ServerOptions = ServerOptions(),
+        metrics: ServerMetrics | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        **engine_options: Any,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.name = name or self.model_dir.name
+        self.options = options
+        self.metrics = metrics
+        self.llm = LLM(self.model_dir, device=device, dtype=dtype, **engine_options)
+        self.chat_template = ChatTemplate.from_model_dir(self.model_dir)
+        self.placeholder_ids = placeholder_token_ids(self.model_dir)
+        on_step = metrics.set_engine_stats if metrics is not None else None
+        self.engine = AsyncEngine(self.llm, max_pending=options.max_pending_requests, on_step=on_step)
+        self.store: SharedEmbeddingStore | None = None
+        self.batcher: EncoderBatcher | None = None
+        self.embedder: MediaEmbedder | None = None
+        encoders = load_encoders(self.model_dir, dtype=_DTYPES[dtype], device=device)
+        if encoders:
+            self._start_media(encoders)
+
+    def _start_media(self, encoders: dict[str, Any]) -> None:
+        name = self.options.embedding_cache_name or f"swallow-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._own_store = self.options.embedding_cache_name is None
+        self.store = SharedEmbeddingStore.open(name, self.options.embedding_cache_bytes)
+        on_batch = self.metrics.observe_encoder_batch if self.metrics is not None else None
+        self.batcher = EncoderBatcher(encoders, BatcherConfig(), on_batch=on_batch)
+        limits = MediaLimits(max_file_bytes=self.options.max_upload_bytes)
+        self.embedder = MediaEmbedder(self.batcher, self.store, media_config(self.model_dir, limits))
+
+    @property
+    def media_kinds(self) -> frozenset[str]:
+        """Media kinds this model takes (those with an encoder and a placeholder token)."""
+        if self.batcher is None:
+            return frozenset()
+        kinds = set()
+        if "vision" in self.batcher.kinds:
+            kinds |= {"image", "video"}
+        if "audio" in self.batcher.kinds:
+            kinds.add("audio")
+        return frozenset(k for k in kinds if k in self.placeholder_ids)
+
+    async def aclose(self) -> None:
+        self.engine.close()
+        if self.batcher is not None:
+            await self.batcher.aclose()
+        if self.embedder is not None:
+            self.embedder.close()
+        if self.store is not None:
+            self.store.close()
+            if self._own_store:
+                self.store.unlink()
