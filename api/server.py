@@ -37,7 +37,7 @@ from embedding_cache import Embedding
 from encoders import EncoderQueueFull
 from llm_core import MultimodalSpan, SamplingParams
 from llm_core.chat import ChatTemplateError, MediaPart, build_chat_prompt
-from media import MediaError
+from media import MediaError, has_audio_track
 
 __all__ = ["create_app", "error_response"]
 
@@ -154,13 +154,49 @@ class ChatService:
     async def prompt(self, request: ChatRequest) -> tuple[list[int], list[MultimodalSpan]]:
         if self.model.llm.tokenizer is None:
             raise BadRequest("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
-        embeddings = await asyncio.gather(*(self.embed(ref) for ref in request.media))
-        media = [MediaPart(ref.kind, emb.tensor, emb.key) for ref, emb in zip(request.media, embeddings)]
+        messages, refs = await self._with_sound_tracks(request.messages, request.media)
+        embeddings = await asyncio.gather(*(self.embed(ref) for ref in refs))
+        media = [MediaPart(ref.kind, emb.tensor, emb.key) for ref, emb in zip(refs, embeddings)]
         built = build_chat_prompt(
-            self.model.chat_template, self.model.llm.tokenizer, request.messages, media, self.model.placeholder_ids
+            self.model.chat_template, self.model.llm.tokenizer, messages, media, self.model.placeholder_ids
         )
         self.model.llm.check_length(len(built.token_ids), request.params.max_tokens)
         return built.token_ids, built.spans
+
+    async def _with_sound_tracks(
+        self, messages: list[dict[str, Any]], refs: list[MediaRef]
+    ) -> tuple[list[dict[str, Any]], list[MediaRef]]:
+        """A video with a sound track is heard too, when the model takes audio: its
+        track becomes an audio part right after the video part."""
+        if "audio" not in self.model.media_kinds or not any(r.kind == "video" for r in refs):
+            return messages, refs
+        loop = asyncio.get_running_loop()
+        tracks = await asyncio.gather(*(
+            loop.run_in_executor(None, has_audio_track, r.path if r.path is not None else r.read())
+            if r.kind == "video" else _false() for r in refs
+        ))
+        if not any(tracks):
+            return messages, refs
+        pending = iter(zip(refs, tracks))
+        out_refs: list[MediaRef] = []
+        out_messages = []
+        for message in messages:
+            content = message["content"]
+            if isinstance(content, str):
+                out_messages.append(message)
+                continue
+            parts: list[dict[str, Any]] = []
+            for part in content:
+                parts.append(part)
+                if part["type"] == "text":
+                    continue
+                ref, has_track = next(pending)
+                out_refs.append(ref)
+                if has_track:
+                    parts.append({"type": "audio"})
+                    out_refs.append(MediaRef("audio", data=ref.data, path=ref.path))
+            out_messages.append({**message, "content": parts})
+        return out_messages, out_refs
 
     async def tokens(
         self, prompt_ids: list[int], params: SamplingParams, spans: list[MultimodalSpan], stops: tuple[str, ...]
@@ -218,6 +254,10 @@ class ChatService:
         if request.include_usage:
             yield _sse(envelope | {"choices": [], "usage": _usage(len(prompt_ids), len(tokens))})
         yield "data: [DONE]\n\n"
+
+
+async def _false() -> bool:
+    return False
 
 
 def _chat_envelope(model: str, kind: str) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Every user-caused problem (corrupt, truncated, oversized, unsupported input)
 raises ``MediaError`` with a message fit for an API user and an HTTP status.
 """
 
-from media.audio import audio_features, load_audio
+from media.audio import audio_features, has_audio_track, load_audio
 from media.errors import DEFAULT_LIMITS, MediaError, MediaLimits
 from media.image import (
     VIDEO_PREPROCESS,
@@ -27,6 +27,7 @@ __all__ = [
     "VideoInfo",
     "VisionPreprocessConfig",
     "audio_features",
+    "has_audio_track",
     "load_audio",
     "load_image",
     "load_images_batch",

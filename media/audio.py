@@ -21,7 +21,7 @@ import torchaudio.functional as taF
 
 from media.errors import DEFAULT_LIMITS, MediaError, MediaLimits
 
-__all__ = ["audio_features", "load_audio"]
+__all__ = ["audio_features", "has_audio_track", "load_audio"]
 
 # Whisper's front end, fixed by the pretrained models (not tunable knobs).
 N_FFT = 400
@@ -93,6 +93,17 @@ def load_audio(
         container = _open_container(fileobj, head)
         with container:
             return _decode_first_audio_stream(container, sample_rate, limits)
+
+
+def has_audio_track(source: str | os.PathLike[str] | bytes, *, limits: MediaLimits = DEFAULT_LIMITS) -> bool:
+    """Whether ``source`` holds an audio stream (e.g. a video's sound track).
+    Unreadable input is simply ``False``: decoding it reports the real problem."""
+    try:
+        with _open_source(source, limits) as fileobj:
+            with av.open(fileobj, mode="r", container_options=_OPEN_OPTIONS) as container:
+                return bool(container.streams.audio)
+    except (MediaError, av.error.FFmpegError, OSError):
+        return False
 
 
 def _open_source(source: str | os.PathLike[str] | bytes, limits: MediaLimits) -> BinaryIO:
