@@ -444,12 +444,17 @@ class AudioEncoder(nn.Module):
         return x.index_select(0, rows) + self.tower.embed_positions.weight.index_select(0, positions)
 
     def encode_batch(self, items: Sequence[AudioInput]) -> list[torch.Tensor]:
-        """Encode every chunk of every item in one packed forward.
+        """Encode every chunk of every item in one packed forward (inference).
 
         Returns one ``[num_tokens(item), out_hidden_size or d_model]`` tensor per item.
         """
         for item in items:
             self.check(item)
+        with torch.inference_mode():
+            return self.forward_items(items)
+
+    def forward_items(self, items: Sequence[AudioInput]) -> list[torch.Tensor]:
+        """``encode_batch`` without checks or inference mode: the differentiable path training uses."""
         if not items:
             return []
         weight = self.tower.conv1.weight
@@ -457,17 +462,16 @@ class AudioEncoder(nn.Module):
         # Trailing chunks without audio (possible when num_frames is short) are never run.
         valid = [v for item_valid in per_item_valid for v in item_valid]
         lengths = [encoder_frames(v) for v in valid]
-        with torch.inference_mode():
-            if self.config.pad_to_full_chunk:
-                features = torch.cat([item.features[: len(v)] for item, v in zip(items, per_item_valid)])
-                hidden = self.forward_chunks(features.to(device=weight.device, dtype=weight.dtype), valid)
-            else:
-                # Only the valid frames are copied: a 2 s clip does not drag its 28 s of padding along.
-                used = [f for it in items for f in self._used_features(it)]
-                chunks = [f.to(device=weight.device, dtype=weight.dtype) for f in used]
-                hidden = self.tower.layer_norm(self._forward_trimmed_chunks(chunks, lengths))
-            if self.projector is not None:
-                hidden = self.projector(hidden, lengths)
+        if self.config.pad_to_full_chunk:
+            features = torch.cat([item.features[: len(v)] for item, v in zip(items, per_item_valid)])
+            hidden = self.forward_chunks(features.to(device=weight.device, dtype=weight.dtype), valid)
+        else:
+            # Only the valid frames are copied: a 2 s clip does not drag its 28 s of padding along.
+            used = [f for it in items for f in self._used_features(it)]
+            chunks = [f.to(device=weight.device, dtype=weight.dtype) for f in used]
+            hidden = self.tower.layer_norm(self._forward_trimmed_chunks(chunks, lengths))
+        if self.projector is not None:
+            hidden = self.projector(hidden, lengths)
         per_item = [sum(self._tokens_per_chunk([encoder_frames(v) for v in iv])) for iv in per_item_valid]
         return list(hidden.split(per_item))
 

@@ -30,7 +30,7 @@ from llm_core.config import ModelConfig
 from llm_core.tokenizer import Tokenizer
 from llm_core.weights import INDEX_FILE, CheckpointError
 
-__all__ = ["load_encoders", "placeholder_token_ids", "write_random_multimodal_checkpoint"]
+__all__ = ["add_encoders", "load_encoders", "placeholder_token_ids", "write_random_multimodal_checkpoint"]
 
 ENCODER_SHARD = "encoders.safetensors"
 _TOKEN_ID_KEYS = {"image": "image_token_id", "video": "video_token_id", "audio": "audio_token_id"}
@@ -83,34 +83,47 @@ def write_random_multimodal_checkpoint(
     """An LLM with random weights and random encoders, wired as a chat model."""
     special = [*SPECIAL_TOKENS, *MULTIMODAL_SPECIAL_TOKENS]
     out = write_random_checkpoint(out_dir, llm, seed, special_tokens=special)
+    generator = torch.Generator().manual_seed(seed + 1)
+    vision_encoder = audio_encoder = None
+    if vision is not None:
+        vision_encoder = VisionEncoder(vision)
+        _init_random(vision_encoder, generator)
+    if audio is not None:
+        audio_encoder = AudioEncoder(audio)
+        _init_random(audio_encoder, generator)
+    add_encoders(out, vision_encoder, audio_encoder, preprocessor or {})
+    return out
+
+
+def add_encoders(
+    out: Path,
+    vision: VisionEncoder | None,
+    audio: AudioEncoder | None,
+    preprocessor: dict[str, Any],
+    chat_template: str = DEFAULT_CHAT_TEMPLATE,
+) -> None:
+    """Turn a saved LLM checkpoint (with a tokenizer holding the chat special tokens)
+    into a multimodal one: encoder tensors, configs, placeholder ids, chat template."""
     tokenizer = Tokenizer(out / "tokenizer.json")
     ids = {kind: tokenizer.token_to_id(token) for kind, token in MEDIA_PLACEHOLDERS.items()}
-    eos = tokenizer.token_to_id("<|im_end|>")
-
-    generator = torch.Generator().manual_seed(seed + 1)
-    tensors: dict[str, torch.Tensor] = {}
     config = json.loads((out / "config.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
     if vision is not None:
-        encoder = VisionEncoder(vision)
-        _init_random(encoder, generator)
-        tensors |= {f"visual.{k}": v for k, v in encoder.state_dict().items()}
-        config["vision_config"] = vision.to_hf_dict()
+        tensors |= {f"visual.{k}": v for k, v in vision.state_dict().items()}
+        config["vision_config"] = vision.config.to_hf_dict()
         config["image_token_id"], config["video_token_id"] = ids["image"], ids["video"]
     if audio is not None:
-        encoder = AudioEncoder(audio)
-        _init_random(encoder, generator)
-        tensors |= {f"audio_tower.{k}": v for k, v in encoder.tower.state_dict().items()}
-        if encoder.projector is not None:
-            tensors |= {f"audio_projector.{k}": v for k, v in encoder.projector.state_dict().items()}
-        config["audio_config"] = audio.to_hf_dict()
+        tensors |= {f"audio_tower.{k}": v for k, v in audio.tower.state_dict().items()}
+        if audio.projector is not None:
+            tensors |= {f"audio_projector.{k}": v for k, v in audio.projector.state_dict().items()}
+        config["audio_config"] = audio.config.to_hf_dict()
         config["audio_token_id"] = ids["audio"]
-    config["eos_token_id"] = eos
+    config["eos_token_id"] = tokenizer.token_to_id("<|im_end|>")
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    _add_shard(out, {k: v.contiguous() for k, v in tensors.items()})
-    tokenizer_config = {"chat_template": DEFAULT_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<pad>"}
+    _add_shard(out, {k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    tokenizer_config = {"chat_template": chat_template, "eos_token": "<|im_end|>", "pad_token": "<pad>"}
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor or {}, indent=2))
-    return out
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
 
 
 def _add_shard(out: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -537,17 +537,21 @@ class VisionEncoder(nn.Module):
 
     def encode_batch(self, items: Sequence[VisionInput]) -> list[torch.Tensor]:
         """Encode items in one packed forward; one ``[num_tokens, out_hidden_size]`` each."""
+        with torch.inference_mode():
+            pieces = self.forward_items(items)
+            if len(pieces) <= 1:
+                return pieces
+            # Separate storage, so a cached item does not keep the whole pack alive.
+            return [p.clone() for p in pieces]
+
+    def forward_items(self, items: Sequence[VisionInput]) -> list[torch.Tensor]:
+        """One packed forward, split per item, without inference mode (training uses it)."""
         if not items:
             return []
         dtype, device = self._dtype, self._device
-        with torch.inference_mode():
-            pixels = torch.cat([it.pixel_values.to(device=device, dtype=dtype) for it in items])
-            out = self.forward(pixels, [it.grid_thw for it in items])
-            pieces = out.split([self.num_tokens(it) for it in items])
-            if len(pieces) == 1:
-                return list(pieces)
-            # Separate storage, so a cached item does not keep the whole pack alive.
-            return [p.clone() for p in pieces]
+        pixels = torch.cat([it.pixel_values.to(device=device, dtype=dtype) for it in items])
+        out = self.forward(pixels, [it.grid_thw for it in items])
+        return list(out.split([self.num_tokens(it) for it in items]))
 
     @property
     def identity(self) -> str:
