@@ -13,8 +13,12 @@ if TYPE_CHECKING:
     from llm_core.config import ModelConfig
 
 
+# The trained demo model, committed with the code (`swallow train-demo` rebuilds it).
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
+
+
 def default_model_dir() -> Path:
-    """Where `swallow serve` finds (or first writes) its default model."""
+    """Where `swallow serve` finds (or first writes) its fallback random model."""
     home = Path(os.environ.get("SWALLOW_HOME", Path.home() / ".cache" / "swallow"))
     return home / "models" / "tiny-random-multimodal"
 
@@ -63,6 +67,8 @@ def write_random_multimodal(out: str | Path, config: ModelConfig, seed: int = 0)
 def _ensure_default_model() -> Path:
     from llm_core.presets import tiny
 
+    if (DEMO_MODEL_DIR / "config.json").exists():
+        return DEMO_MODEL_DIR
     path = default_model_dir()
     if not (path / "config.json").exists():
         print(f"no --model given: writing a small random multimodal checkpoint to {path}", flush=True)
@@ -101,6 +107,37 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(model, metrics)
     print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _train_demo(args: argparse.Namespace) -> int:
+    import json
+
+    from api.demo.train import TrainConfig, train_demo
+
+    config = TrainConfig(seed=args.seed, batch_size=args.batch_size, max_steps=args.max_steps,
+                         max_minutes=args.max_minutes)
+    summary = train_demo(args.out, config, progress=not args.quiet)
+    print(json.dumps(summary))
+    return 0
+
+
+def _eval_demo(args: argparse.Namespace) -> int:
+    import json
+
+    from api.demo.evaluate import EVAL_SEED, eval_demo
+
+    model = Path(args.model) if args.model else DEMO_MODEL_DIR
+    result = eval_demo(model, seed=args.seed if args.seed is not None else EVAL_SEED, per_task=args.per_task)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from api.demo.evaluate import ask
+
+    model = Path(args.model) if args.model else _ensure_default_model()
+    print(ask(model, args.question, [args.video]))
     return 0
 
 
@@ -184,6 +221,30 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--multimodal", action="store_true", help="add random vision/audio encoders and a chat template")
     init.set_defaults(func=_init_checkpoint)
+
+    train = sub.add_parser("train-demo", help="train the demo model on the synthetic world")
+    train.add_argument("--out", default=str(DEMO_MODEL_DIR), help="checkpoint directory to write")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--batch-size", type=int, default=32)
+    train.add_argument("--max-steps", type=int, default=2400)
+    train.add_argument("--max-minutes", type=float, default=38.0)
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(func=_train_demo)
+
+    evaluate = sub.add_parser("eval-demo", help="score the demo model on a held-out synthetic world")
+    evaluate.add_argument("--model", help="checkpoint (default: the committed demo model)")
+    evaluate.add_argument("--seed", type=int, help="world seed (default: one training never uses)")
+    evaluate.add_argument("--per-task", type=int, default=34, help="items per task (9 tasks)")
+    evaluate.add_argument("--json", action="store_true", help="one-line JSON")
+    evaluate.set_defaults(func=_eval_demo)
+
+    demo = sub.add_parser("demo", help="ask the demo model about a file, through the server's code path")
+    demo_sub = demo.add_subparsers(dest="demo_command", required=True)
+    video_qa = demo_sub.add_parser("video-qa", help="answer a question about a video")
+    video_qa.add_argument("--video", required=True)
+    video_qa.add_argument("--question", required=True)
+    video_qa.add_argument("--model", help="checkpoint (default: the demo model)")
+    video_qa.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
     bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder"])

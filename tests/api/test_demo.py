@@ -1,0 +1,53 @@
+"""The trained demo model: training runs, the committed checkpoint answers through
+the server's path, and its answers do not depend on batching or prefix caching."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from api.cli import DEMO_MODEL_DIR, _ensure_default_model, main
+from api.demo.evaluate import ask, eval_demo
+from api.demo.train import TrainConfig, train_demo
+from api.demo.world import answer_matches, make_sample, write_media
+from llm_core import LLM
+
+needs_demo_model = pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").exists(),
+                                      reason="the demo model is not in this checkout")
+
+
+def test_train_demo_smoke(tmp_path: Path) -> None:
+    """A few steps of the real training loop write a checkpoint the server path loads."""
+    summary = train_demo(tmp_path / "m", TrainConfig(max_steps=3, batch_size=4), progress=False)
+    assert summary["steps"] == 3 and summary["loss"] > 0 and summary["mtp"] > 0
+    llm = LLM(tmp_path / "m")
+    assert llm.config.num_mtp_layers == 1 and llm.config.sliding_attention.sliding_window == 33
+    sample = make_sample(np.random.default_rng(0), "image_shape")
+    files = write_media(sample, tmp_path / "media", "pic")
+    assert isinstance(ask(tmp_path / "m", sample.question, files, max_tokens=3), str)
+
+
+@needs_demo_model
+def test_committed_demo_model_is_small_and_served_by_default() -> None:
+    size = sum(p.stat().st_size for p in DEMO_MODEL_DIR.iterdir())
+    assert size <= 20 << 20, f"{size / (1 << 20):.1f} MiB"
+    assert _ensure_default_model() == DEMO_MODEL_DIR
+
+
+@needs_demo_model
+def test_answers_are_right_and_identical_across_engine_settings() -> None:
+    result = eval_demo(DEMO_MODEL_DIR, per_task=5, concurrencies=(1, 16), prefix_caching=(True, False))
+    assert result["items"] == 45
+    assert all(result["identical_answers_across_settings"].values()), result["identical_answers_across_settings"]
+    assert result["overall_accuracy"] >= 0.9, result
+    assert result["mtp_describe"]["drafts"] > 0
+
+
+@needs_demo_model
+def test_demo_video_qa_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sample = make_sample(np.random.default_rng(123), "video_direction")
+    video = write_media(sample, tmp_path, "clip")[0]
+    assert main(["demo", "video-qa", "--video", str(video), "--question", sample.question]) == 0
+    assert answer_matches(capsys.readouterr().out, sample.answer)
