@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default=str(DEMO_MODEL_DIR), help="checkpoint directory to write")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--batch-size", type=int, default=32)
-    train.add_argument("--max-steps", type=int, default=2400)
+    train.add_argument("--max-steps", type=int, default=2200)
     train.add_argument("--max-minutes", type=float, default=38.0)
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(func=_train_demo)
