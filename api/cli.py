@@ -44,23 +44,15 @@ def write_random_multimodal(out: str | Path, config: ModelConfig, seed: int = 0)
     import dataclasses
 
     from encoders.multimodal_checkpoint import write_random_multimodal_checkpoint
-    from encoders.presets import DEMO_AUDIO, DEMO_PREPROCESS, DEMO_VIDEO_FPS, DEMO_VIDEO_MAX_FRAMES, DEMO_VISION
+    from encoders.presets import DEMO_AUDIO, DEMO_PREPROCESSOR_CONFIG, DEMO_VISION
 
-    preprocessor = {
-        "min_pixels": DEMO_PREPROCESS.min_pixels,
-        "max_pixels": DEMO_PREPROCESS.max_pixels,
-        "video_min_pixels": DEMO_PREPROCESS.min_pixels,
-        "video_max_pixels": DEMO_PREPROCESS.max_pixels,
-        "video_fps": DEMO_VIDEO_FPS,
-        "video_max_frames": DEMO_VIDEO_MAX_FRAMES,
-    }
     return write_random_multimodal_checkpoint(
         out,
         config,
         dataclasses.replace(DEMO_VISION, out_hidden_size=config.hidden_size),
         dataclasses.replace(DEMO_AUDIO, out_hidden_size=config.hidden_size),
         seed=seed,
-        preprocessor=preprocessor,
+        preprocessor=DEMO_PREPROCESSOR_CONFIG,
     )
 
 

@@ -60,7 +60,7 @@ def load_encoders(
     return encoders
 
 
-def _init_random(module: nn.Module, generator: torch.Generator) -> None:
+def init_encoder_weights(module: nn.Module, generator: torch.Generator) -> None:
     """Seeded weights with unit-scale activations, so random encoders give varied embeddings."""
     with torch.no_grad():
         for name, param in module.named_parameters():
@@ -87,10 +87,10 @@ def write_random_multimodal_checkpoint(
     vision_encoder = audio_encoder = None
     if vision is not None:
         vision_encoder = VisionEncoder(vision)
-        _init_random(vision_encoder, generator)
+        init_encoder_weights(vision_encoder, generator)
     if audio is not None:
         audio_encoder = AudioEncoder(audio)
-        _init_random(audio_encoder, generator)
+        init_encoder_weights(audio_encoder, generator)
     add_encoders(out, vision_encoder, audio_encoder, preprocessor or {})
     return out
 

@@ -35,3 +35,13 @@ DEMO_AUDIO = AudioEncoderConfig(
 DEMO_PREPROCESS = VisionPreprocessConfig(min_pixels=56 * 56, max_pixels=84 * 84)
 DEMO_VIDEO_FPS = 2.0
 DEMO_VIDEO_MAX_FRAMES = 8
+
+# The same, as the preprocessor_config.json a demo checkpoint carries.
+DEMO_PREPROCESSOR_CONFIG = {
+    "min_pixels": DEMO_PREPROCESS.min_pixels,
+    "max_pixels": DEMO_PREPROCESS.max_pixels,
+    "video_min_pixels": DEMO_PREPROCESS.min_pixels,
+    "video_max_pixels": DEMO_PREPROCESS.max_pixels,
+    "video_fps": DEMO_VIDEO_FPS,
+    "video_max_frames": DEMO_VIDEO_MAX_FRAMES,
+}

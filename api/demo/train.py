@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from api.demo.world import COLORS, DIRECTIONS, SHAPES, TASKS, Sample, make_sample
 from encoders.audio import AudioEncoder, AudioInput
-from encoders.multimodal_checkpoint import add_encoders
-from encoders.presets import DEMO_AUDIO, DEMO_PREPROCESS, DEMO_VIDEO_FPS, DEMO_VIDEO_MAX_FRAMES, DEMO_VISION
+from encoders.multimodal_checkpoint import add_encoders, init_encoder_weights
+from encoders.presets import DEMO_AUDIO, DEMO_PREPROCESS, DEMO_PREPROCESSOR_CONFIG, DEMO_VISION
 from encoders.vision import VisionEncoder, VisionInput
 from llm_core.attention import attention_reference
 from llm_core.chat import DEFAULT_CHAT_TEMPLATE, MEDIA_PLACEHOLDERS, MULTIMODAL_SPECIAL_TOKENS, ChatTemplate
@@ -43,14 +43,6 @@ from media import audio_features, preprocess_images, preprocess_video
 __all__ = ["DemoModel", "TrainConfig", "demo_llm_config", "train_demo"]
 
 HOP = 160
-PREPROCESSOR = {
-    "min_pixels": DEMO_PREPROCESS.min_pixels,
-    "max_pixels": DEMO_PREPROCESS.max_pixels,
-    "video_min_pixels": DEMO_PREPROCESS.min_pixels,
-    "video_max_pixels": DEMO_PREPROCESS.max_pixels,
-    "video_fps": DEMO_VIDEO_FPS,
-    "video_max_frames": DEMO_VIDEO_MAX_FRAMES,
-}
 
 
 @dataclass(frozen=True)
@@ -258,15 +250,7 @@ class ExampleBuilder:
 
 
 def _init_encoder(module: nn.Module, seed: int) -> None:
-    """Small-normal linear/conv weights, unit norms, zero biases: a stable start."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            if param.dim() == 1:
-                param.copy_(torch.ones_like(param) if ("norm" in name or "ln_" in name) else torch.zeros_like(param))
-            else:
-                fan_in = math.prod(param.shape[1:])
-                param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
+    init_encoder_weights(module, torch.Generator().manual_seed(seed))
 
 
 def _init_llm(config: ModelConfig, seed: int) -> MiMoV2ForCausalLM:
@@ -405,6 +389,6 @@ def train_demo(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), progress: 
     import json
 
     (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
-    add_encoders(out, vision, audio, PREPROCESSOR)
+    add_encoders(out, vision, audio, DEMO_PREPROCESSOR_CONFIG)
     minutes = (time.monotonic() - started) / 60
     return {"steps": step, "minutes": round(minutes, 2), "train_accuracy": meter.accuracy(), **stats}
