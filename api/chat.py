@@ -25,7 +25,15 @@ from typing import Any
 from api.uploads import StoredFile, sniff_media_kind
 from llm_core import SamplingParams
 
-__all__ = ["BadRequest", "ChatRequest", "MediaRef", "UnsupportedMedia", "parse_chat_request", "parse_sampling"]
+__all__ = [
+    "BadRequest",
+    "ChatRequest",
+    "MediaRef",
+    "UnsupportedMedia",
+    "parse_chat_request",
+    "parse_sampling",
+    "parse_stop",
+]
 
 _ROLES = ("system", "user", "assistant")
 
@@ -87,7 +95,7 @@ def parse_chat_request(body: Any, lookup_file: FileLookup) -> ChatRequest:
         messages=messages,
         media=media,
         params=parse_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens")),
-        stop=_parse_stop(body.get("stop")),
+        stop=parse_stop(body.get("stop")),
         stream=bool(body.get("stream", False)),
         include_usage=bool(stream_options.get("include_usage", True)),
     )
@@ -109,7 +117,8 @@ def parse_sampling(body: Mapping[str, Any], max_tokens_keys: tuple[str, ...] = (
         raise BadRequest(str(exc)) from exc
 
 
-def _parse_stop(stop: Any) -> tuple[str, ...]:
+def parse_stop(stop: Any) -> tuple[str, ...]:
+    """OpenAI's 'stop': a string or a list of non-empty strings."""
     stops = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise BadRequest("'stop' must be a non-empty string or a list of them")

@@ -27,7 +27,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.chat import BadRequest, ChatRequest, MediaRef, UnsupportedMedia, parse_chat_request, parse_sampling
+from api.chat import BadRequest, ChatRequest, MediaRef, UnsupportedMedia, parse_chat_request, parse_sampling, parse_stop
 from api.engine_loop import EngineOverloaded
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel
@@ -336,17 +336,14 @@ class CompletionService:
         if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
             raise BadRequest("only n=1 and best_of=1 are supported")
         params = parse_sampling(body | {"max_tokens": body.get("max_tokens", 16)})
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise BadRequest("'stop' must be a non-empty string or a list of them")
+        stop = parse_stop(body.get("stop"))
         if stop and self.llm.tokenizer is None:
             raise BadRequest("'stop' strings need a model with a tokenizer; use stop_token_ids")
         prompts = [self.llm.encode_prompt(p) for p in _prompts(body.get("prompt"))]
         for ids in prompts:
             self.llm.check_length(len(ids), params.max_tokens)
         options = body.get("stream_options") or {}
-        return prompts, params, tuple(stop), bool(body.get("stream", False)), bool(options.get("include_usage"))
+        return prompts, params, stop, bool(body.get("stream", False)), bool(options.get("include_usage"))
 
     async def _one(self, ids: list[int], params: SamplingParams, stop: tuple[str, ...]) -> dict[str, Any]:
         text, finish, tokens = "", None, []

@@ -176,7 +176,7 @@ class MediaEmbedder:
     # -- internals --------------------------------------------------------------
 
     def _identity(self, kind: str) -> str:
-        return str(getattr(self.batcher.encoder(kind), "identity"))
+        return str(self.batcher.encoder(kind).identity)
 
     async def _run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         loop = asyncio.get_running_loop()

@@ -33,6 +33,11 @@ class BatchEncoder(Protocol):
 
     kind: str
 
+    @property
+    def identity(self) -> str:
+        """Names these weights under this config (part of embedding-cache keys)."""
+        ...
+
     def check(self, item: Any) -> None: ...
 
     def cost(self, item: Any) -> int: ...

@@ -31,6 +31,7 @@ __all__ = [
     "ChatTemplate",
     "MediaPart",
     "build_chat_prompt",
+    "expand_placeholders",
 ]
 
 MEDIA_PLACEHOLDERS = {"image": "<|image_pad|>", "video": "<|video_pad|>", "audio": "<|audio_pad|>"}
@@ -122,26 +123,36 @@ def build_chat_prompt(
     the media parts in the same order as ``media``.
     """
     ids = tokenizer.encode(template.render(messages))
-    kind_of_id = {placeholder_ids[k]: k for k in placeholder_ids}
+    out, offsets = expand_placeholders(ids, [(p.kind, int(p.embeddings.shape[0])) for p in media], placeholder_ids)
+    spans = [MultimodalSpan(offset, p.embeddings, p.key) for offset, p in zip(offsets, media)]
+    return ChatPrompt(out, spans)
+
+
+def expand_placeholders(
+    token_ids: Sequence[int], media: Sequence[tuple[str, int]], placeholder_ids: Mapping[str, int]
+) -> tuple[list[int], list[int]]:
+    """Repeat each media placeholder token once per row of its item's embedding.
+
+    ``media`` is (kind, rows) per item, in prompt order. Returns the expanded ids
+    and the offset of each item's first row.
+    """
+    kind_of_id = {token: kind for kind, token in placeholder_ids.items()}
     out: list[int] = []
-    spans: list[MultimodalSpan] = []
-    queue = list(media)
-    for token in ids:
+    offsets: list[int] = []
+    for token in token_ids:
         kind = kind_of_id.get(token)
         if kind is None:
             out.append(token)
             continue
-        if not queue:
+        if len(offsets) == len(media):
             raise ChatTemplateError(f"the prompt has more {kind} placeholders than media parts")
-        part = queue.pop(0)
-        if part.kind != kind:
-            raise ChatTemplateError(f"placeholder for {kind} met a {part.kind} part: the template reorders media")
-        rows = int(part.embeddings.shape[0])
-        spans.append(MultimodalSpan(len(out), part.embeddings, part.key))
+        expected, rows = media[len(offsets)]
+        if expected != kind:
+            raise ChatTemplateError(f"placeholder for {kind} met a {expected} part: the template reorders media")
+        offsets.append(len(out))
         out.extend([token] * rows)
-    if queue:
+    if len(offsets) < len(media):
         raise ChatTemplateError(
-            f"the chat template placed {len(media) - len(queue)} of {len(media)} media parts; "
-            "it needs a placeholder for each"
+            f"the chat template placed {len(offsets)} of {len(media)} media parts; it needs a placeholder for each"
         )
-    return ChatPrompt(out, spans)
+    return out, offsets

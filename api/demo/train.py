@@ -32,7 +32,13 @@ from encoders.multimodal_checkpoint import add_encoders, init_encoder_weights
 from encoders.presets import DEMO_AUDIO, DEMO_PREPROCESS, DEMO_PREPROCESSOR_CONFIG, DEMO_VISION
 from encoders.vision import VisionEncoder, VisionInput
 from llm_core.attention import attention_reference
-from llm_core.chat import DEFAULT_CHAT_TEMPLATE, MEDIA_PLACEHOLDERS, MULTIMODAL_SPECIAL_TOKENS, ChatTemplate
+from llm_core.chat import (
+    DEFAULT_CHAT_TEMPLATE,
+    MEDIA_PLACEHOLDERS,
+    MULTIMODAL_SPECIAL_TOKENS,
+    ChatTemplate,
+    expand_placeholders,
+)
 from llm_core.checkpoint import SPECIAL_TOKENS, random_model
 from llm_core.config import AttentionSpec, ModelConfig
 from llm_core.model import MiMoV2ForCausalLM
@@ -220,7 +226,7 @@ class ExampleBuilder:
     def __init__(self, tokenizer: Tokenizer, vision: VisionEncoder, audio: AudioEncoder) -> None:
         self.tokenizer = tokenizer
         self.template = ChatTemplate(DEFAULT_CHAT_TEMPLATE)
-        self.placeholder = {tokenizer.token_to_id(tok): kind for kind, tok in MEDIA_PLACEHOLDERS.items()}
+        self.placeholder_ids = {kind: tokenizer.token_to_id(tok) for kind, tok in MEDIA_PLACEHOLDERS.items()}
         self.end = tokenizer.token_to_id("<|im_end|>")
         self.vision, self.audio = vision, audio
 
@@ -228,17 +234,10 @@ class ExampleBuilder:
         messages = chat_messages(sample, media_first=bool(rng.random() < 0.5))
         prompt = self.tokenizer.encode(self.template.render(messages))
         inputs = encoder_inputs(sample)
-        ids: list[int] = []
-        media: list[tuple[str, VisionInput | AudioInput, int]] = []
-        queue = list(inputs)
-        for token in prompt:
-            if token not in self.placeholder:
-                ids.append(token)
-                continue
-            kind, item = queue.pop(0)
-            rows = self.vision.num_tokens(item) if kind == "vision" else self.audio.num_tokens(item)
-            media.append((kind, item, len(ids)))
-            ids.extend([token] * rows)
+        rows = [self.vision.num_tokens(item) if kind == "vision" else self.audio.num_tokens(item)
+                for kind, item in inputs]
+        ids, offsets = expand_placeholders(prompt, list(zip(sample.media, rows)), self.placeholder_ids)
+        media = [(kind, item, offset) for (kind, item), offset in zip(inputs, offsets)]
         answer_start = len(ids)
         ids += self.tokenizer.encode(sample.answer) + [self.end]
         return Example(sample.task, ids, answer_start, media)
