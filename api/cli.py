@@ -107,8 +107,9 @@ def _train_demo(args: argparse.Namespace) -> int:
 
     from api.demo.train import TrainConfig, train_demo
 
-    config = TrainConfig(seed=args.seed, batch_size=args.batch_size, max_steps=args.max_steps,
-                         max_minutes=args.max_minutes)
+    given = {"seed": args.seed, "batch_size": args.batch_size, "max_steps": args.max_steps,
+             "max_minutes": args.max_minutes}
+    config = TrainConfig(**{name: value for name, value in given.items() if value is not None})
     summary = train_demo(args.out, config, progress=not args.quiet)
     print(json.dumps(summary))
     return 0
@@ -216,10 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train-demo", help="train the demo model on the synthetic world")
     train.add_argument("--out", default=str(DEMO_MODEL_DIR), help="checkpoint directory to write")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--batch-size", type=int, default=32)
-    train.add_argument("--max-steps", type=int, default=2200)
-    train.add_argument("--max-minutes", type=float, default=38.0)
+    # Unset options keep TrainConfig's defaults: the settings the committed model was trained with.
+    train.add_argument("--seed", type=int)
+    train.add_argument("--batch-size", type=int)
+    train.add_argument("--max-steps", type=int)
+    train.add_argument("--max-minutes", type=float)
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(func=_train_demo)
 

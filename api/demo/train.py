@@ -31,7 +31,7 @@ from encoders.audio import AudioEncoder, AudioInput
 from encoders.multimodal_checkpoint import add_encoders, init_encoder_weights
 from encoders.presets import DEMO_AUDIO, DEMO_PREPROCESS, DEMO_PREPROCESSOR_CONFIG, DEMO_VISION
 from encoders.vision import VisionEncoder, VisionInput
-from llm_core.attention import attention_reference
+from llm_core.attention import softmax_with_sinks
 from llm_core.chat import (
     DEFAULT_CHAT_TEMPLATE,
     MEDIA_PLACEHOLDERS,
@@ -55,7 +55,7 @@ HOP = 160
 class TrainConfig:
     seed: int = 0
     batch_size: int = 32
-    max_steps: int = 2200
+    max_steps: int = 3200
     max_minutes: float = 38.0
     lr: float = 1e-3
     warmup_steps: int = 60
@@ -206,20 +206,70 @@ class DemoModel(nn.Module):
 
 class PackedCausalAttention:
     """Attention backend for training: each packed sequence attends causally (and
-    within the window on sliding layers) to itself; nothing is cached."""
+    within the window on sliding layers) to itself; nothing is cached.
 
-    def __init__(self, lengths: Sequence[int]) -> None:
+    Tiny per-sequence kernels would dominate step time, so sequences of similar
+    length are padded into a few [B, L] groups, a few batched matmuls each.
+    """
+
+    def __init__(self, lengths: Sequence[int], group_size: int = 8) -> None:
         self.lengths = list(lengths)
-        self.positions = [torch.arange(n) for n in self.lengths]
+        by_length = sorted(range(len(self.lengths)), key=self.lengths.__getitem__)
+        self.groups = [_PaddedGroup([self.lengths[i] for i in by_length[g : g + group_size]])
+                       for g in range(0, len(by_length), group_size)]
+        # Rows of the packed input in group order, and the inverse permutation.
+        starts = np.cumsum([0, *self.lengths[:-1]])
+        order = torch.cat([torch.arange(starts[i], starts[i] + self.lengths[i]) for i in by_length])
+        self.order, self.restore = order, torch.argsort(order)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                spec: AttentionSpec, sinks: torch.Tensor | None) -> torch.Tensor:
-        out = [
-            attention_reference(qs, ks, vs, pos, pos, spec.sliding_window, sinks)
-            for qs, ks, vs, pos in zip(q.split(self.lengths), k.split(self.lengths), v.split(self.lengths),
-                                       self.positions)
-        ]
-        return torch.cat(out)
+        sizes = [g.total for g in self.groups]
+        parts = zip(q[self.order].split(sizes), k[self.order].split(sizes), v[self.order].split(sizes), self.groups)
+        out = torch.cat([g.attend(qg, kg, vg, spec.sliding_window, sinks) for qg, kg, vg, g in parts])
+        return out[self.restore]
+
+
+class _PaddedGroup:
+    """Sequences padded to one [B, L] batch. A padding query sees every key so its
+    softmax stays finite; its output is dropped."""
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        width = max(lengths)
+        steps = torch.arange(width)
+        self.total = sum(lengths)
+        self.valid = steps[None, :] < torch.tensor(lengths)[:, None]  # [B, L]
+        self.offsets = steps[:, None] - steps[None, :]  # q_pos - k_pos, [L, L]
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def visible(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, L, L]: which keys each query sees."""
+        if window not in self._masks:
+            seen = self.offsets >= 0
+            if window is not None:
+                seen &= self.offsets < window
+            seen = (seen[None] & self.valid[:, None, :]) | ~self.valid[:, :, None]
+            self._masks[window] = seen[:, None, None]
+        return self._masks[window]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[total, H, D] -> [B, L, H, D], zeros after each sequence."""
+        return x.new_zeros(*self.valid.shape, *x.shape[1:]).masked_scatter(self.valid[..., None, None], x)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+        hq, d = q.shape[1:]
+        hkv = k.shape[1]
+        group = hq // hkv
+        batch, width = self.valid.shape
+        qg = self.pad(q).view(batch, width, hkv, group, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, L, D]
+        kh = self.pad(k).permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, L, D]
+        vh = self.pad(v).permute(0, 2, 1, 3)[:, :, None]
+        scores = torch.matmul(qg, kh.transpose(-1, -2)) * d**-0.5
+        scores = scores.masked_fill(~self.visible(window), float("-inf"))
+        sink_logits = None if sinks is None else sinks.view(1, hkv, group, 1, 1)
+        out = torch.matmul(softmax_with_sinks(scores, sink_logits), vh)  # [B, Hkv, G, L, Dv]
+        return out.permute(0, 3, 1, 2, 4).reshape(batch, width, hq, -1)[self.valid]
 
 
 class ExampleBuilder:
@@ -327,12 +377,30 @@ def task_pool(step: int, max_steps: int) -> tuple[str, ...]:
     return TASKS
 
 
+# How often each task is drawn, relative to the others in the pool. The hard skills
+# get more examples: a square from a circle in a 56 px picture (four merged tokens),
+# and the shape word inside the long describe answer, where one token of ~20 carries
+# it. Pictures are short sequences, so extra picture examples are cheap.
+TASK_WEIGHTS: dict[str, float] = {
+    "image_shape": 4.0,
+    "describe": 2.0,
+    "video_audio_beeps": 1.5,
+    "audio_beeps": 1.25,
+}
+
+
+def _task_probabilities(pool: Sequence[str]) -> np.ndarray:
+    weights = np.array([TASK_WEIGHTS.get(task, 1.0) for task in pool])
+    return weights / weights.sum()
+
+
 def _batches(builder: ExampleBuilder, cfg: TrainConfig) -> Iterator[list[Example]]:
     rng = np.random.default_rng(cfg.seed + 7)
     step = 0
     while True:
         pool = task_pool(step, cfg.max_steps)
-        samples = [make_sample(rng, pool[int(rng.integers(len(pool)))]) for _ in range(cfg.batch_size)]
+        tasks = rng.choice(len(pool), size=cfg.batch_size, p=_task_probabilities(pool))
+        samples = [make_sample(rng, pool[int(t)]) for t in tasks]
         yield [builder.build(s, rng) for s in samples]
         step += 1
 

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from api.cli import DEMO_MODEL_DIR, _ensure_default_model, main
 from api.demo.evaluate import ask, eval_demo
-from api.demo.train import TrainConfig, train_demo
+from api.demo.train import PackedCausalAttention, TrainConfig, train_demo
 from api.demo.world import answer_matches, make_sample, write_media
 from llm_core import LLM
+from llm_core.attention import attention_reference
+from llm_core.config import AttentionSpec
 
 needs_demo_model = pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").exists(),
                                       reason="the demo model is not in this checkout")
@@ -27,6 +30,27 @@ def test_train_demo_smoke(tmp_path: Path) -> None:
     sample = make_sample(np.random.default_rng(0), "image_shape")
     files = write_media(sample, tmp_path / "media", "pic")
     assert isinstance(ask(tmp_path / "m", sample.question, files, max_tokens=3), str)
+
+
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (33, True), (3, True)])
+@pytest.mark.parametrize("group_size", [1, 2, 8])
+def test_packed_training_attention_equals_per_sequence_reference(
+    window: int | None, with_sinks: bool, group_size: int
+) -> None:
+    """Length-grouped padding must not leak across sequences or change any row."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 40, 1, 77, 33, 2, 40]
+    total = sum(lengths)
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=8, rope_theta=1e4,
+                         partial_rotary_factor=0.5, sliding_window=window, has_sinks=with_sinks)
+    q, k, v = (torch.randn(total, h, d, generator=gen) for h, d in ((4, 16), (2, 16), (2, 8)))
+    sinks = torch.randn(4, generator=gen) if with_sinks else None
+    got = PackedCausalAttention(lengths, group_size).attend(0, q, k, v, spec, sinks)
+    expected = torch.cat([
+        attention_reference(qs, ks, vs, torch.arange(n), torch.arange(n), window, sinks)
+        for qs, ks, vs, n in zip(q.split(lengths), k.split(lengths), v.split(lengths), lengths)
+    ])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @needs_demo_model
