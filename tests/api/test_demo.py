@@ -32,6 +32,16 @@ def test_train_demo_smoke(tmp_path: Path) -> None:
     assert isinstance(ask(tmp_path / "m", sample.question, files, max_tokens=3), str)
 
 
+def test_train_demo_is_reproducible_from_its_seed(tmp_path: Path) -> None:
+    def weights(out: Path, seed: int) -> list[bytes]:
+        train_demo(out, TrainConfig(seed=seed, max_steps=2, batch_size=4), progress=False)
+        return [(out / name).read_bytes() for name in ("model-00001-of-00001.safetensors", "encoders.safetensors")]
+
+    first = weights(tmp_path / "a", 0)
+    assert weights(tmp_path / "b", 0) == first
+    assert weights(tmp_path / "c", 1) != first
+
+
 @pytest.mark.parametrize("window,with_sinks", [(None, False), (33, True), (3, True)])
 @pytest.mark.parametrize("group_size", [1, 2, 8])
 def test_packed_training_attention_equals_per_sequence_reference(
