@@ -7,6 +7,12 @@ any request is unfinished, and hands each token to the waiting coroutine with
 
 A coroutine that stops listening -- the client disconnected, the stream was
 cancelled -- aborts its request, which frees its KV at the next command drain.
+
+One request's failure is that request's alone: a refusal at admission reaches
+only its caller (before any token, so a server can still answer 400), a
+failure inside a step ends only the requests the engine attributes it to
+(``RequestFailed``), and only a step failure no request explains fails every
+request in flight, after which the engine is rebuilt for new ones.
 """
 
 from __future__ import annotations
@@ -16,20 +22,34 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from llm_core import LLM, MultimodalSpan, SamplingParams
 from llm_core.engine import TokenEvent
 
-__all__ = ["AsyncEngine", "EngineOverloaded", "GenerationStats"]
+__all__ = ["AsyncEngine", "EngineOverloaded", "EngineUnavailable", "GenerationStats", "RequestFailed"]
 
 log = logging.getLogger(__name__)
 
 
 class EngineOverloaded(RuntimeError):
     """Too many requests are waiting; the caller should answer 429."""
+
+
+class RequestFailed(RuntimeError):
+    """The request failed while it was generating (the server's fault, not the
+    client's: HTTP 500); other requests were not affected."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine failed as a whole (every request in flight was lost) or is
+    shutting down; a caller should answer 503."""
+
+
+# Posted to a request's queue once the engine has accepted it.
+_ADMITTED = object()
 
 
 @dataclass
@@ -44,7 +64,7 @@ class GenerationStats:
 @dataclass
 class _Handle:
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue[TokenEvent | BaseException]
+    events: asyncio.Queue[Any]  # _ADMITTED, then TokenEvents; or an exception
     request_id: int | None = None
     finished: bool = False
 
@@ -62,6 +82,11 @@ class _Abort:
     handle: _Handle
 
 
+@dataclass(frozen=True)
+class _Flush:
+    done: Callable[[dict[str, Any]], None]  # called on the engine thread with the stats after the flush
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -76,10 +101,11 @@ class AsyncEngine:
         self.llm = llm
         self.max_pending = max_pending
         self._on_step = on_step
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Flush | None] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._pending = 0  # touched on the event loop only
         self._live: dict[int, _Handle] = {}  # engine thread only
+        self._broken: str | None = None  # why the engine could not be rebuilt (engine thread only)
         self._stats: dict[str, Any] = llm.stats()
         self._last_stats = 0.0
         self._thread = threading.Thread(target=self._run, name="swallow-engine", daemon=True)
@@ -95,11 +121,43 @@ class AsyncEngine:
         """The engine's stats as of its last step (a snapshot; safe from any thread)."""
         return self._stats
 
+    async def open(
+        self, prompt_ids: list[int], params: SamplingParams, spans: Sequence[MultimodalSpan] = ()
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """Admit a request and return its token stream. Everything the engine checks
+        (lengths, KV pool, spans, vocabulary) is refused here, as ``ValueError``,
+        before any token -- so a server can still answer it with a 400. Closing
+        the stream early (or cancelling the task reading it) aborts the request
+        and frees its KV."""
+        stream = self._stream(prompt_ids, params, spans)
+        await stream.__anext__()  # the admission; from here the stream is started, so closing it aborts
+        return stream  # type: ignore[return-value]  # yields only TokenEvents from now on
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, spans: Sequence[MultimodalSpan] = ()
     ) -> AsyncIterator[TokenEvent]:
-        """Tokens as they are sampled. Closing the iterator early (or cancelling the
-        task iterating it) aborts the request and frees its KV."""
+        """Tokens as they are sampled (``open`` and iterate, in one)."""
+        stream = await self.open(prompt_ids, params, spans)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """Drop every cached prefix no running request holds; the engine's stats after."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[dict[str, Any]] = loop.create_future()
+
+        def resolve(stats: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(stats))
+
+        self._send(_Flush(resolve))
+        return await done
+
+    async def _stream(
+        self, prompt_ids: list[int], params: SamplingParams, spans: Sequence[MultimodalSpan]
+    ) -> AsyncGenerator[TokenEvent | None, None]:
         if self._pending >= self.max_pending:
             raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
         handle = _Handle(asyncio.get_running_loop(), asyncio.Queue())
@@ -109,7 +167,14 @@ class AsyncEngine:
             while True:
                 item = await handle.events.get()
                 if isinstance(item, BaseException):
+                    handle.finished = True  # refused or failed: the engine holds nothing of it
                     raise item
+                if item is _ADMITTED:
+                    yield None
+                    continue
+                if item.error is not None:
+                    handle.finished = True
+                    raise RequestFailed(f"the request failed while generating: {item.error}")
                 yield item
                 if item.finish_reason is not None:
                     handle.finished = True
@@ -123,7 +188,7 @@ class AsyncEngine:
         self._send(None)
         self._thread.join(timeout=10)
 
-    def _send(self, command: _Add | _Abort | None) -> None:
+    def _send(self, command: _Add | _Abort | _Flush | None) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -131,18 +196,19 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while True:
-            if not self._drain():
-                return
-            if not self.llm.engine.has_unfinished():
-                self._publish_stats(force=True)
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
             try:
+                if not self._drain():
+                    return
+                if self._broken is not None or not self.llm.engine.has_unfinished():
+                    self._publish_stats(force=True)
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
                 events = self.llm.step()
-            except Exception as exc:  # noqa: BLE001 - a broken step must not kill the server silently
-                log.exception("engine step failed")
-                self._fail_all(exc)
+            except Exception as exc:  # noqa: BLE001 - no request explains it: start over
+                log.exception("engine step failed; every request in flight is lost and the engine is rebuilt")
+                self._fail_all(EngineUnavailable(f"the engine failed ({type(exc).__name__}: {exc}); retry"))
+                self._restart()
                 continue
             for event in events:
                 self._deliver(event)
@@ -156,25 +222,42 @@ class AsyncEngine:
             except queue.Empty:
                 return True
             if command is None:
-                self._fail_all(RuntimeError("the server is shutting down"))
+                self._fail_all(EngineUnavailable("the server is shutting down"))
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Flush):
+                if self._broken is None:
+                    self.llm.flush_cache()
+                self._publish_stats(force=True)
+                command.done(self._stats)
             else:
                 self._abort(command.handle)
 
     def _add(self, command: _Add) -> None:
         handle = command.handle
+        if self._broken is not None:
+            self._restart()  # the device may be back
+        if self._broken is not None:
+            self._post(handle, EngineUnavailable(f"the engine is unavailable: {self._broken}"))
+            return
         try:
             rid = self.llm.add_request(command.prompt_ids, command.params, mm_spans=command.spans)
         except ValueError as exc:
             self._post(handle, exc)
             return
+        except Exception as exc:  # noqa: BLE001 - this request's problem: the engine thread goes on
+            log.exception("admitting a request failed")
+            self._post(handle, RequestFailed(f"the request could not be admitted: {type(exc).__name__}: {exc}"))
+            return
         handle.request_id = rid
         self._live[rid] = handle
+        self._post(handle, _ADMITTED)
 
     def _abort(self, handle: _Handle) -> None:
-        if handle.request_id is not None and self._live.pop(handle.request_id, None) is not None:
+        # Identity, not just the id: after a rebuild a new request may have the old id.
+        if handle.request_id is not None and self._live.get(handle.request_id) is handle:
+            del self._live[handle.request_id]
             self.llm.abort(handle.request_id)
 
     def _deliver(self, event: TokenEvent) -> None:
@@ -187,12 +270,25 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid, handle in list(self._live.items()):
-            self.llm.abort(rid)
             self._post(handle, exc)
+            try:
+                self.llm.abort(rid)
+            except Exception:  # noqa: BLE001 - the engine may be broken; it is rebuilt next
+                log.exception("aborting request %d failed", rid)
         self._live.clear()
 
+    def _restart(self) -> None:
+        try:
+            self.llm.reset_engine()
+        except Exception as exc:  # noqa: BLE001 - keep the thread alive; admissions fail with the reason
+            log.exception("rebuilding the engine failed")
+            self._broken = f"{type(exc).__name__}: {exc}"
+            return
+        self._broken = None
+        self._publish_stats(force=True)
+
     @staticmethod
-    def _post(handle: _Handle, item: TokenEvent | BaseException) -> None:
+    def _post(handle: _Handle, item: Any) -> None:
         try:
             handle.loop.call_soon_threadsafe(handle.events.put_nowait, item)
         except RuntimeError:
@@ -203,6 +299,8 @@ class AsyncEngine:
         if not force and now - self._last_stats < 0.5:
             return
         self._last_stats = now
+        if self._broken is not None:
+            return  # keep the last stats: the broken engine has none to give
         self._stats = self.llm.stats()
         if self._on_step is not None:
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -20,9 +21,11 @@ from llm_core.paged_attention import (
 )
 from llm_core.prefix_cache import RadixCache
 from llm_core.sampling import SamplingParams, make_generator, sample_token
-from llm_core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence
+from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
 
 AttentionImpl = Literal["auto", "torch", "triton"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,15 @@ class EngineConfig:
 @dataclass(frozen=True)
 class TokenEvent:
     request_id: int
-    token: int
-    finish_reason: str | None  # set on the request's last token
+    token: int  # -1 on an "error" event
+    finish_reason: str | None  # set on the request's last event: "stop", "length" or "error"
+    error: str | None = None  # why the request failed, with finish_reason "error"
+
+
+class EngineFault(RuntimeError):
+    """A step failed in a way no request explains (the device is unusable, or the
+    engine's own bookkeeping broke): every request in flight is lost and the
+    engine must be rebuilt before it serves again."""
 
 
 @dataclass
@@ -68,6 +78,16 @@ def page_slots(pages: list[int], base_page: int, page_size: int, start: int, end
     slots = (used[:, None] * page_size + torch.arange(page_size)).flatten()
     offset = start - first_page * page_size
     return slots[offset : offset + end - start]
+
+
+def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:
+    """Batch rows whose hidden state gives a next token: each sampling chunk's last."""
+    rows, offset = [], 0
+    for chunk in chunks:
+        offset += chunk.length
+        if chunk.samples:
+            rows.append(offset - 1)
+    return rows
 
 
 def resolve_attention(impl: AttentionImpl, device: torch.device) -> AttentionFn:
@@ -138,6 +158,7 @@ class Engine:
         """Queue a request. Each of ``mm_spans`` replaces the embeddings of its
         prompt positions (the placeholder tokens there are only looked up, never fed)."""
         check_spans(mm_spans, len(prompt), self.model.config.hidden_size)
+        params.check_vocabulary(self.model.config.vocab_size)
         self.check_fits(len(prompt), params.max_tokens)
         spans = self._place_spans(mm_spans)
         request_id = self._next_id
@@ -164,12 +185,10 @@ class Engine:
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now and free all its KV. False if it already ended."""
-        seq = self._sequences.pop(request_id, None)
+        seq = self._sequences.get(request_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
-        del self._sampling[request_id]
-        self._spans.pop(request_id, None)
+        self._end(seq, "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -177,21 +196,61 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenEvent]:
-        chunks = self.scheduler.schedule()
+        """One forward over the scheduled batch and a token for every chunk that ends
+        its known tokens.
+
+        A failure that belongs to some requests -- a media span that cannot be
+        read, a row that cannot be sampled -- ends only those, each with an
+        "error" event: the batch is split in halves until the failing chunks are
+        found, and every other request gets the tokens it would have got anyway
+        (greedy output does not depend on batch composition). Anything else
+        raises EngineFault.
+        """
+        try:
+            chunks = self.scheduler.schedule()
+        except RequestTooLarge as exc:
+            return [self._fail(exc.seq, exc)]
         if not chunks:
             return []
-        hidden = self._forward(chunks)
+        return self._run(chunks)
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[TokenEvent]:
         sampled = [c for c in chunks if c.samples]
+        try:
+            hidden = self._forward(chunks)
+            logits = self.model.compute_logits(hidden[_sample_rows(chunks)]) if sampled else None
+        except Exception as exc:  # noqa: BLE001 - narrowed to the failing requests below
+            return self._isolate(chunks, exc)
+        # Only now does the step count: a failed forward left every chunk as it was
+        # (its KV slots are simply written again by the retry).
         self.scheduler.after_step(chunks)
-        if not sampled:
+        if logits is None:
             return []
-        rows, offset = [], 0
-        for chunk in chunks:
-            offset += chunk.length
-            if chunk.samples:
-                rows.append(offset - 1)
-        logits = self.model.compute_logits(hidden[rows])
         return [self._accept(chunk.seq, row) for chunk, row in zip(sampled, logits)]
+
+    def _isolate(self, chunks: list[ScheduledChunk], exc: Exception) -> list[TokenEvent]:
+        if self._device_lost():
+            raise EngineFault(f"the {self.device} device failed: {type(exc).__name__}: {exc}") from exc
+        if len(chunks) == 1:
+            return [self._fail(chunks[0].seq, exc)]
+        mid = len(chunks) // 2
+        return self._run(chunks[:mid]) + self._run(chunks[mid:])
+
+    def _device_lost(self) -> bool:
+        """After a CUDA error the context may be unusable; a CPU cannot be lost."""
+        if self.device.type != "cuda":
+            return False
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.ones(1, device=self.device).add_(1).cpu()
+        except Exception:  # noqa: BLE001 - any failure here means the device is gone
+            return True
+        return False
+
+    def _fail(self, seq: Sequence, exc: Exception) -> TokenEvent:
+        log.error("request %d failed", seq.request_id, exc_info=exc)
+        self._end(seq, "error")
+        return TokenEvent(seq.request_id, -1, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         tokens: list[int] = []
@@ -242,7 +301,10 @@ class Engine:
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
         sampling = self._sampling[seq.request_id]
-        token = sample_token(logits, sampling.params, sampling.generator)
+        try:
+            token = sample_token(logits, sampling.params, sampling.generator)
+        except Exception as exc:  # noqa: BLE001 - e.g. NaN logits: this request's failure only
+            return self._fail(seq, exc)
         seq.output.append(token)
         reason = None
         if token in sampling.stop_ids:
@@ -250,11 +312,14 @@ class Engine:
         elif len(seq.output) >= seq.max_tokens:
             reason = "length"
         if reason is not None:
-            self.scheduler.finish(seq, reason)
-            del self._sampling[seq.request_id]
-            del self._sequences[seq.request_id]
-            self._spans.pop(seq.request_id, None)
+            self._end(seq, reason)
         return TokenEvent(seq.request_id, token, reason)
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        del self._sampling[seq.request_id]
+        del self._sequences[seq.request_id]
+        self._spans.pop(seq.request_id, None)
 
     def flush_cache(self) -> None:
         """Drop every cached prefix no running request holds."""

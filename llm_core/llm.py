@@ -28,7 +28,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None  # "stop" (EOS or a stop token) or "length"
+    finish_reason: str | None  # "stop" (EOS or a stop token), "length", or "error"
+    error: str | None = None  # why it failed, with finish_reason "error"
 
 
 class LLM:
@@ -102,10 +103,12 @@ class LLM:
         encoded = [self.encode_prompt(p) for p in prompt_list]
         for ids, params, spans in zip(encoded, params_list, spans_list):
             check_spans(spans, len(ids), self.config.hidden_size)
+            params.check_vocabulary(self.config.vocab_size)
             self.check_length(len(ids), params.max_tokens)
         ids_of: list[int] = []
         tokens: list[list[int]] = [[] for _ in encoded]
         reasons: list[str | None] = [None] * len(encoded)
+        errors: list[str | None] = [None] * len(encoded)
         try:
             for ids, params, spans in zip(encoded, params_list, spans_list):
                 ids_of.append(self.add_request(ids, params, spans))
@@ -113,8 +116,11 @@ class LLM:
             while any(r is None for r in reasons):
                 for event in self.step():
                     i = index_of[event.request_id]
-                    tokens[i].append(event.token)
                     reasons[i] = event.finish_reason
+                    if event.error is not None:
+                        errors[i] = event.error
+                        continue
+                    tokens[i].append(event.token)
                     if on_token is not None:
                         on_token(i, event.token, event.finish_reason)
         finally:
@@ -122,8 +128,8 @@ class LLM:
                 if reason is None:
                     self.engine.abort(rid)
         return [
-            RequestOutput(rid, ids, toks, self._decode(toks), reason)
-            for rid, ids, toks, reason in zip(ids_of, encoded, tokens, reasons)
+            RequestOutput(rid, ids, toks, self._decode(toks), reason, error)
+            for rid, ids, toks, reason, error in zip(ids_of, encoded, tokens, reasons, errors)
         ]
 
     # ------------------------------------------------------- engine passthrough
@@ -144,6 +150,13 @@ class LLM:
 
     def flush_cache(self) -> None:
         self.engine.flush_cache()
+
+    def reset_engine(self) -> None:
+        """A fresh engine (empty pools and cache) on the same model, after an
+        EngineFault: every request of the old one is dropped."""
+        config = self.engine.config
+        del self.engine  # its KV tensors go before the new ones are allocated
+        self.engine = Engine(self.model, config, self.device)
 
     def _decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)

@@ -6,9 +6,21 @@ draws the same tokens whatever else is in its batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+# Temperatures in (0, MIN_TEMPERATURE) are refused: dividing logits by them
+# overflows to inf (1e-38) and softmax turns that into NaN, which cannot be
+# sampled. Above MAX_TEMPERATURE the distribution is indistinguishable from
+# uniform, so a larger value is a client mistake, not a wish.
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 100.0
+# torch.Generator seeds are 64-bit; OpenAI clients also send negative seeds.
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+MAX_TOP_K = (1 << 31) - 1  # vocabularies are indexed by int32; the engine also checks its own size
 
 
 @dataclass(frozen=True)
@@ -22,20 +34,49 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        temperature = _finite(self.temperature, "temperature")
+        if temperature != 0.0 and not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE} and {MAX_TEMPERATURE}, "
+                f"got {self.temperature!r}"
+            )
+        if not 0.0 < _finite(self.top_p, "top_p") <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K):
+            raise ValueError(f"top_k must be -1 (off) or an integer from 1 to {MAX_TOP_K}, got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer from {MIN_SEED} to {MAX_SEED}, got {self.seed!r}")
+        stops = tuple(self.stop_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {list(stops)[:8]!r}")
         # Accept any iterable of ids but keep the dataclass hashable and frozen.
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse token-id parameters that name ids the model does not have."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size ({vocab_size}), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: object, name: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -55,7 +96,7 @@ def sample_token(
     """Next token id from one row of float32 logits [vocab]."""
     if params.greedy:
         return int(torch.argmax(logits))
-    logits = logits / params.temperature
+    logits = logits.float() / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -49,6 +49,16 @@ class Sequence:
         return self.num_tokens - self.num_computed == 1 and len(self.output) > 0
 
 
+class RequestTooLarge(MemoryError):
+    """One request needs more KV memory than the pools have, even with everything
+    else preempted: that request must fail, the others can go on."""
+
+    def __init__(self, seq: Sequence) -> None:
+        super().__init__(f"request {seq.request_id} needs more KV memory than the pools have "
+                         f"({seq.num_tokens} tokens)")
+        self.seq = seq
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     seq: Sequence
@@ -118,11 +128,7 @@ class Scheduler:
             self.preempt(self.running[-1])
             return self.schedule()
         if not chunks and self.has_unfinished():
-            seq = (self.running or list(self.waiting))[0]
-            raise MemoryError(
-                f"request {seq.request_id} needs more KV memory than the pools have "
-                f"({seq.num_tokens} tokens)"
-            )
+            raise RequestTooLarge((self.running or list(self.waiting))[0])
         return chunks
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
@@ -210,9 +216,10 @@ class Scheduler:
         self.allocator.free(seq.view)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a request (done or aborted); what it computed goes to the cache."""
+        """End a request (done, aborted or failed). What it computed goes to the
+        cache, unless it failed: its KV may be what made it fail."""
         seq.finish_reason = reason
-        self._release_kv(seq, insert=True)
+        self._release_kv(seq, insert=reason != "error")
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from api.engine_loop import AsyncEngine, EngineOverloaded
+from api.engine_loop import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed
 from llm_core import LLM, SamplingParams
 
 
@@ -120,3 +120,98 @@ def test_close_fails_what_is_running(tiny_checkpoint: Path) -> None:
                 pass
 
     _run(main())
+
+
+def test_refusals_come_from_open_before_any_token(tiny_checkpoint: Path) -> None:
+    engine = AsyncEngine(LLM(tiny_checkpoint, enable_prefix_caching=False))
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await engine.open([5, 6], SamplingParams(max_tokens=3, stop_token_ids=[10**7]))
+        stream = await engine.open([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len([e async for e in stream]) == 3
+        # Opened and never read: closing it still frees its KV.
+        unread = await engine.open(list(range(5, 50)), SamplingParams(max_tokens=500, ignore_eos=True))
+        await unread.aclose()
+        assert engine.pending == 0
+
+    try:
+        _run(main())
+        _wait_for(lambda: engine.stats()["running_requests"] == 0)
+        s = engine.stats()
+        assert s["full_pool"]["free_tokens"] == s["full_pool"]["capacity_tokens"]
+    finally:
+        engine.close()
+
+
+def test_one_requests_failure_leaves_the_others_alone(tiny_checkpoint: Path) -> None:
+    from tests.llm_core.test_engine_faults import _bad_span
+
+    llm = LLM(tiny_checkpoint, enable_prefix_caching=False)
+    prompts = [list(range(10, 10 + n)) for n in (5, 40, 17, 90)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    engine = AsyncEngine(llm)
+
+    async def doomed() -> None:
+        stream = await engine.open(list(range(60, 100)), params, [_bad_span(llm, 3, 10)])
+        async for _ in stream:
+            pass
+
+    async def main() -> list:
+        return list(await asyncio.gather(*(_collect(engine, p, params) for p in prompts), doomed(),
+                                         return_exceptions=True))
+
+    try:
+        *good, failure = _run(main())
+        assert isinstance(failure, RequestFailed) and "injected fault" in str(failure)
+        assert good == expected
+        _wait_for(lambda: engine.stats()["full_pool"]["free_tokens"] == engine.stats()["full_pool"]["capacity_tokens"])
+    finally:
+        engine.close()
+
+
+def test_a_fault_no_request_explains_fails_all_and_the_engine_restarts(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(tiny_checkpoint)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = llm.generate([[5, 6, 7]], params)[0].token_ids
+    broken_engine = llm.engine
+    real_step = broken_engine.step
+
+    def step() -> list:
+        if len(broken_engine.scheduler.running) >= 2:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    monkeypatch.setattr(broken_engine, "step", step)
+    engine = AsyncEngine(llm)
+
+    async def main() -> tuple[list, list[int]]:
+        failed = await asyncio.gather(*(_collect(engine, [5, 6, 7 + i], params) for i in range(3)),
+                                      return_exceptions=True)
+        return failed, await _collect(engine, [5, 6, 7], params)
+
+    try:
+        failed, after = _run(main())
+        assert all(isinstance(f, EngineUnavailable) and "device lost" in str(f) for f in failed)
+        assert llm.engine is not broken_engine
+        assert after == expected
+    finally:
+        engine.close()
+
+
+def test_flush_cache_runs_on_the_engine_thread(tiny_checkpoint: Path) -> None:
+    engine = AsyncEngine(LLM(tiny_checkpoint))
+
+    async def main() -> dict:
+        await _collect(engine, list(range(5, 70)), SamplingParams(max_tokens=4, ignore_eos=True))
+        return await engine.flush_cache()
+
+    try:
+        stats = _run(main())
+        assert stats["prefix_cache"]["nodes"] <= 1  # only the root is left
+        assert stats["full_pool"]["free_tokens"] == stats["full_pool"]["capacity_tokens"]
+    finally:
+        engine.close()

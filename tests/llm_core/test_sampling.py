@@ -65,11 +65,34 @@ def test_text_prompts_and_decoded_text(llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": 0}, {"top_k": -5}],
+    [
+        {"max_tokens": 0}, {"max_tokens": 2.0}, {"max_tokens": True},
+        {"temperature": -1.0}, {"temperature": float("nan")}, {"temperature": float("inf")},
+        {"temperature": 1e-300}, {"temperature": 1e-38}, {"temperature": 1e-3}, {"temperature": 1e6},
+        {"temperature": "1"},
+        {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": float("nan")},
+        {"top_k": 0}, {"top_k": -5}, {"top_k": 10**12}, {"top_k": 2.0},
+        {"seed": 2**70}, {"seed": -(2**63) - 1}, {"seed": 1.5},
+        {"stop_token_ids": [-1]}, {"stop_token_ids": [1.0]}, {"stop_token_ids": [True]},
+    ],
 )
 def test_invalid_sampling_params(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_edge_values_that_are_valid() -> None:
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=0.01, seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(temperature=100, seed=2**64 - 1, top_k=2**31 - 1).temperature == 100.0
+
+
+def test_the_smallest_temperature_samples_finite_probabilities() -> None:
+    logits = torch.tensor([80.0, 79.0, -50.0])
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.01)
+    assert {sample_token(logits, params, gen) for _ in range(50)} == {0}
+    assert sample_token(logits.half(), params, gen) == 0  # low-precision logits are sampled in float32
 
 
 def test_bad_prompts_are_rejected_with_reasons(llm: LLM) -> None:
