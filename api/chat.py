@@ -11,18 +11,22 @@ Content parts accepted in user messages:
   whose media type is sniffed from the content.
 
 Remote ``http(s)`` URLs are refused: the server downloads nothing on a user's behalf.
+Bytes that are not the media the client declared (by the data: URL's type, the part
+type, a multipart part's Content-Type or file name) are a 400, as at OpenAI; a
+recognisable file of a kind we do not take (PDF, ZIP, text...) is a 415.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from api.uploads import StoredFile, sniff_media_kind
+from api.uploads import SNIFF_BYTES, DeclaredType, StoredFile, declared_type, refusal_for_unrecognised, sniff_media_kind
 from llm_core import SamplingParams
 
 __all__ = [
@@ -30,12 +34,24 @@ __all__ = [
     "ChatRequest",
     "MediaRef",
     "UnsupportedMedia",
+    "parse_bool",
     "parse_chat_request",
+    "parse_include_usage",
+    "parse_json_body",
     "parse_sampling",
     "parse_stop",
+    "require_unicode",
 ]
 
 _ROLES = ("system", "user", "assistant")
+
+# Far beyond any count, id or seed (2**64 has 20 digits), and under Python's own 4300-digit
+# limit, whose message would speak to the server's operator rather than to the client.
+_MAX_INT_DIGITS = 1000
+
+# The media kind each media part type stands for, and back.
+_PART_KINDS = {"image_url": "image", "video_url": "video", "input_audio": "audio"}
+_KIND_PARTS = {kind: part for part, kind in _PART_KINDS.items()}
 
 
 class BadRequest(ValueError):
@@ -44,6 +60,27 @@ class BadRequest(ValueError):
 
 class UnsupportedMedia(ValueError):
     """Media of a type the server cannot decode (HTTP 415)."""
+
+
+def parse_json_body(raw: bytes | str, what: str = "request body") -> Any:
+    """JSON from a client: bad syntax, bad UTF-8, NaN/Infinity (not JSON, though Python
+    reads them), absurdly long integers and nesting too deep for the parser are all a BadRequest."""
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant, parse_int=_bounded_int)
+    except RecursionError:
+        raise BadRequest(f"{what} is not valid JSON: it nests too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, and the two refusals below
+        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits) > _MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(digits)} digits is too long (at most {_MAX_INT_DIGITS})")
+    return int(digits)
 
 
 @dataclass(frozen=True)
@@ -88,17 +125,42 @@ def parse_chat_request(body: Any, lookup_file: FileLookup) -> ChatRequest:
         raise BadRequest("only n=1 is supported")
     media: list[MediaRef] = []
     messages = [_parse_message(i, m, media, lookup_file) for i, m in enumerate(raw_messages)]
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise BadRequest("'stream_options' must be an object")
     return ChatRequest(
         messages=messages,
         media=media,
         params=parse_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens")),
         stop=parse_stop(body.get("stop")),
-        stream=bool(body.get("stream", False)),
-        include_usage=bool(stream_options.get("include_usage", True)),
+        stream=parse_bool(body, "stream"),
+        include_usage=parse_include_usage(body, default=True),
     )
+
+
+def parse_include_usage(body: Mapping[str, Any], default: bool) -> bool:
+    """'stream_options.include_usage', where 'stream_options' must be an object if given."""
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise BadRequest("'stream_options' must be an object")
+    return parse_bool(stream_options, "include_usage", default, where="'stream_options.include_usage'")
+
+
+def parse_bool(body: Mapping[str, Any], key: str, default: bool = False, where: str | None = None) -> bool:
+    """A true/false field (null means the default): "false" or 0 is a mistake to report, not a truth value."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"{where or repr(key)} must be true or false, got {value!r}")
+    return value
+
+
+def require_unicode(text: str, where: str) -> str:
+    """`text`, refused when it holds a lone surrogate: JSON can spell one ("\\ud800"),
+    but it is not Unicode text and the tokenizer cannot take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"{where} is not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return text
 
 
 def parse_sampling(body: Mapping[str, Any], max_tokens_keys: tuple[str, ...] = ("max_tokens",)) -> SamplingParams:
@@ -111,7 +173,7 @@ def parse_sampling(body: Mapping[str, Any], max_tokens_keys: tuple[str, ...] = (
             top_k=_int(body.get("top_k", -1), "top_k"),
             seed=None if body.get("seed") is None else _int(body["seed"], "seed"),
             stop_token_ids=tuple(_int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
-            ignore_eos=bool(body.get("ignore_eos", False)),
+            ignore_eos=parse_bool(body, "ignore_eos"),
         )
     except (TypeError, ValueError) as exc:
         raise BadRequest(str(exc)) from exc
@@ -126,6 +188,9 @@ def parse_stop(stop: Any) -> tuple[str, ...]:
 
 
 def _int(value: Any, name: str) -> int:
+    # 4.0 is an integer to JSON Schema, OpenAI's and vLLM's parsers alike.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise BadRequest(f"'{name}' must be an integer, got {value!r}")
     return value
@@ -134,7 +199,10 @@ def _int(value: Any, name: str) -> int:
 def _float(value: Any, name: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise BadRequest(f"'{name}' must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer literal beyond any float, e.g. 10**400
+        raise BadRequest(f"'{name}' is out of range") from None
 
 
 def _int_list(value: Any, name: str) -> list[int]:
@@ -151,7 +219,7 @@ def _parse_message(i: int, message: Any, media: list[MediaRef], lookup: FileLook
         raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}")
     content = message.get("content")
     if isinstance(content, str):
-        return {"role": role, "content": content}
+        return {"role": role, "content": require_unicode(content, f"messages[{i}].content")}
     if not isinstance(content, list):
         raise BadRequest(f"messages[{i}].content must be a string or a list of content parts")
     parts = [_parse_part(f"messages[{i}].content[{j}]", p, role, media, lookup) for j, p in enumerate(content)]
@@ -167,7 +235,7 @@ def _parse_part(
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise BadRequest(f"{where}.text must be a string")
-        return {"type": "text", "text": part["text"]}
+        return {"type": "text", "text": require_unicode(part["text"], f"{where}.text")}
     if role != "user":
         raise BadRequest(f"{where}: only user messages may carry {kind} parts")
     ref = _media_ref(where, kind, part, lookup)
@@ -181,12 +249,12 @@ def _media_ref(where: str, kind: str, part: dict[str, Any], lookup: FileLookup) 
         url = field.get("url") if isinstance(field, dict) else field
         if not isinstance(url, str) or not url:
             raise BadRequest(f"{where}.{kind}.url must be a string")
-        return _from_url(where, url, "image" if kind == "image_url" else "video", lookup)
+        return _from_url(where, url, _PART_KINDS[kind], lookup)
     if kind == "input_audio":
         field = part.get("input_audio")
         if not isinstance(field, dict) or not isinstance(field.get("data"), str):
             raise BadRequest(f"{where}.input_audio.data must be a base64 string")
-        return _sniffed(where, _b64(where, field["data"]), expected="audio")
+        return _sniffed(where, _b64(where, field["data"]), "audio", _declared_by_part("audio"))
     if kind == "file":
         field = part.get("file")
         if not isinstance(field, dict):
@@ -195,15 +263,18 @@ def _media_ref(where: str, kind: str, part: dict[str, Any], lookup: FileLookup) 
             return _from_file(where, field["file_id"], None, lookup)
         if isinstance(field.get("file_data"), str):
             data = field["file_data"]
-            raw = _data_url(where, data) if data.startswith("data:") else _b64(where, data)
-            return _sniffed(where, raw, expected=None)
+            if not data.startswith("data:"):
+                return _sniffed(where, _b64(where, data), None, None)
+            mime, raw = _data_url(where, data)
+            return _sniffed(where, raw, None, declared_type(mime))
         raise BadRequest(f"{where}.file must hold 'file_id' or 'file_data'")
     raise BadRequest(f"{where}: unsupported content part type {kind!r}")
 
 
 def _from_url(where: str, url: str, expected: str, lookup: FileLookup) -> MediaRef:
     if url.startswith("data:"):
-        return _sniffed(where, _data_url(where, url), expected=expected)
+        mime, raw = _data_url(where, url)
+        return _sniffed(where, raw, expected, declared_type(mime) or _declared_by_part(expected))
     if url.startswith(("http://", "https://", "ftp://", "file:")):
         raise BadRequest(
             f"{where}: remote URLs are not fetched; send the media as a data: URL, "
@@ -217,19 +288,27 @@ def _from_file(where: str, file_id: str, expected: str | None, lookup: FileLooku
     if stored is None:
         raise BadRequest(f"{where}: no uploaded file or multipart part named {file_id!r}")
     if stored.media_kind is None:
-        raise UnsupportedMedia(f"{where}: file {file_id!r} ({stored.filename}) is not an image, video or audio file")
+        declared = stored.declared or _declared_by_part(expected)
+        _refuse_unrecognised(f"{where}: file {file_id!r} ({stored.filename})", stored.head, declared)
     _check_kind(where, stored.media_kind, expected)
     return MediaRef(stored.media_kind, path=stored.path)
 
 
-def _sniffed(where: str, data: bytes, expected: str | None) -> MediaRef:
-    if not data:
-        raise BadRequest(f"{where}: the media is empty")
-    found = sniff_media_kind(data[:64])
+def _sniffed(where: str, data: bytes, expected: str | None, declared: DeclaredType | None) -> MediaRef:
+    found = sniff_media_kind(data[:SNIFF_BYTES])
     if found is None:
-        raise UnsupportedMedia(f"{where}: unsupported media type (not a known image, video or audio format)")
+        _refuse_unrecognised(f"{where}: the data", data[:SNIFF_BYTES], declared)
     _check_kind(where, found, expected)
     return MediaRef(found, data=data)
+
+
+def _declared_by_part(kind: str | None) -> DeclaredType | None:
+    return None if kind is None else DeclaredType(kind, f"by its part type {_KIND_PARTS[kind]!r}")
+
+
+def _refuse_unrecognised(subject: str, head: bytes, declared: DeclaredType | None) -> NoReturn:
+    status, message = refusal_for_unrecognised(subject, head, declared)
+    raise BadRequest(message) if status == 400 else UnsupportedMedia(message)
 
 
 def _check_kind(where: str, found: str, expected: str | None) -> None:
@@ -238,11 +317,12 @@ def _check_kind(where: str, found: str, expected: str | None) -> None:
         raise BadRequest(f"{where}: expected {expected} data, got {found}")
 
 
-def _data_url(where: str, url: str) -> bytes:
+def _data_url(where: str, url: str) -> tuple[str, bytes]:
+    """(the declared media type, the bytes) of a base64 data: URL."""
     header, sep, payload = url.partition(",")
     if not sep or ";base64" not in header:
         raise BadRequest(f"{where}: data URLs must be base64 ('data:<type>;base64,<data>')")
-    return _b64(where, payload)
+    return header.removeprefix("data:").split(";", 1)[0], _b64(where, payload)
 
 
 def _b64(where: str, text: str) -> bytes:

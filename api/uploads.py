@@ -10,6 +10,8 @@ refused while it is still arriving instead of after it has filled the disk.
 from __future__ import annotations
 
 import asyncio
+import codecs
+import dataclasses
 import os
 import secrets
 import tempfile
@@ -35,6 +37,14 @@ _SPOOL_PREFIX = "upload-"
 # Room for the multipart framing and the `purpose` field around a /v1/files upload.
 _FORM_OVERHEAD_BYTES = 64 << 10
 
+# A body refused before it was read to its end is read on and thrown away first, as
+# nginx's lingering_close does: a client that is still sending (httpx always is) and
+# finds the connection closed gets a reset instead of our answer. Draining is bounded
+# so a slow or endless sender cannot hold a connection: past either bound the answer
+# goes out with Connection: close. 1 GiB takes a second or two on a LAN or localhost.
+_DRAIN_SECONDS = 5.0
+_DRAIN_MAX_BYTES = 1 << 30
+
 
 class UploadError(Exception):
     """An upload refused with an HTTP status (400 / 413 / 415) and a message for the user.
@@ -42,6 +52,7 @@ class UploadError(Exception):
     `close_connection` is set when the request body was abandoned part-way: the
     response should then carry `headers` (Connection: close), otherwise uvicorn
     keeps reading, and discarding, the rest of a possibly huge body.
+    `settle_refusal` clears it when the rest of the body could be drained cheaply.
     """
 
     def __init__(self, status: int, message: str, *, close_connection: bool = False) -> None:
@@ -53,6 +64,53 @@ class UploadError(Exception):
     @property
     def headers(self) -> dict[str, str]:
         return {"Connection": "close"} if self.close_connection else {}
+
+
+# --------------------------------------------------------------------------- refusing a body
+
+
+async def settle_refusal(request: Request, error: UploadError, *, body_started: bool = True) -> UploadError:
+    """`error`, ready to answer: when it abandons the body part-way, the rest is read
+    and discarded first if that is cheap, and the connection then stays open.
+
+    `body_started` is False for a refusal before the body was read: a client that
+    sent `Expect: 100-continue` is then still waiting to send it, so nothing is drained.
+    Bodies without a Content-Length (chunked) are never drained: they may be endless.
+    """
+    if not error.close_connection or not await _drained(request, body_started):
+        return error
+    return UploadError(error.status, error.message)
+
+
+async def _drained(request: Request, body_started: bool) -> bool:
+    """Read and drop the rest of the body; True when it ended within the bounds."""
+    declared = declared_length(request)
+    if declared is None or declared > _DRAIN_MAX_BYTES:
+        return False
+    if not body_started and request.headers.get("expect", "").lower() == "100-continue":
+        return False
+    try:
+        async with asyncio.timeout(_DRAIN_SECONDS):
+            async for _ in request.stream():
+                pass
+    except (TimeoutError, ClientDisconnect):
+        return False
+    except RuntimeError:  # Starlette's "Stream consumed": the body had already ended
+        return True
+    return True
+
+
+def declared_length(request: Request) -> int | None:
+    """The request's Content-Length, or None (absent, chunked or unreadable)."""
+    declared = request.headers.get("content-length")
+    return int(declared) if declared is not None and declared.isdigit() else None
+
+
+async def refuse_declared_oversize(request: Request, max_bytes: int, message: str) -> None:
+    """413 `message` for a body whose Content-Length is over `max_bytes`, before reading any of it."""
+    declared = declared_length(request)
+    if declared is not None and declared > max_bytes:
+        raise await settle_refusal(request, UploadError(413, message, close_connection=True), body_started=False)
 
 
 # --------------------------------------------------------------------------- sniffing
@@ -131,6 +189,92 @@ def _sniff_audio_stream(head: bytes) -> str | None:
     return None
 
 
+# Well-formed files that are not media we take, named so a client learns what it sent
+# (415) instead of being told its file is damaged (400).
+_OTHER_FORMATS: tuple[tuple[bytes, str], ...] = (
+    (b"%PDF-", "a PDF document"),
+    (b"PK\x03\x04", "a ZIP archive"),
+    (b"PK\x05\x06", "a ZIP archive"),
+    (b"\x1f\x8b", "a gzip archive"),
+    (b"7z\xbc\xaf\x27\x1c", "a 7-Zip archive"),
+    (b"Rar!\x1a\x07", "a RAR archive"),
+    (b"II*\x00", "a TIFF image, a format we do not decode"),
+    (b"MM\x00*", "a TIFF image, a format we do not decode"),
+    (b"8BPS", "a Photoshop image, a format we do not decode"),
+    (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1", "an Office document"),
+    (b"SQLite format 3\x00", "an SQLite database"),
+    (b"\x7fELF", "an executable"),
+)
+# Text may hold tabs, newlines and form feeds; other control characters mean binary data.
+_TEXT_CONTROLS = frozenset("\t\n\r\f")
+
+
+def sniff_other_format(head: bytes) -> str | None:
+    """What a file that is not media is ("a PDF document", "plain text"), when we can tell."""
+    for magic, name in _OTHER_FORMATS:
+        if head.startswith(magic):
+            return name
+    return "plain text" if _is_text(head) else None
+
+
+def _is_text(head: bytes) -> bool:
+    try:
+        # Incremental, so a character cut by the end of `head` is not an error.
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return bool(text) and all(c.isprintable() or c in _TEXT_CONTROLS for c in text)
+
+
+@dataclass(frozen=True)
+class DeclaredType:
+    """The media kind a client said some bytes are, and where it said so (for messages)."""
+
+    kind: str  # "image" | "video" | "audio"
+    source: str  # "image/png", "by the file name 'clip.mp4'", "by its part type 'image_url'"
+
+
+# File name extensions of the media containers clients send, for parts that come as
+# application/octet-stream. A fixed table: the mimetypes module reads the machine's
+# /etc/mime.types, which would make the answers differ between hosts.
+_EXTENSION_KINDS = {
+    **dict.fromkeys(("png", "jpg", "jpeg", "jpe", "gif", "webp", "bmp", "heic", "heif", "avif"), "image"),
+    **dict.fromkeys(("mp4", "m4v", "mov", "qt", "mkv", "webm", "avi", "ts", "m2ts", "mts", "flv", "ogv",
+                     "mpg", "mpeg", "3gp", "3g2", "wmv"), "video"),
+    **dict.fromkeys(("wav", "mp3", "flac", "ogg", "oga", "opus", "m4a", "aac", "aif", "aiff", "aifc", "amr",
+                     "caf", "weba", "wma"), "audio"),
+}
+
+
+def declared_type(content_type: str | None = None, filename: str | None = None) -> DeclaredType | None:
+    """The media kind declared by a media type (a data: URL's, a part's Content-Type),
+    else by a file name's extension; None when neither names image, video or audio."""
+    mime = (content_type or "").split(";", 1)[0].strip().lower()
+    major = mime.partition("/")[0]
+    if major in MEDIA_KINDS:
+        return DeclaredType(major, mime)
+    name = filename or ""
+    kind = _EXTENSION_KINDS.get(name.rpartition(".")[2].lower()) if "." in name else None
+    return None if kind is None else DeclaredType(kind, f"by the file name {filename!r}")
+
+
+def refusal_for_unrecognised(subject: str, head: bytes, declared: DeclaredType | None) -> tuple[int, str]:
+    """(HTTP status, message) for bytes that sniff as no media kind we know.
+
+    400 when they are empty, or when the client declared a media kind they are not
+    (as OpenAI answers an invalid image); 415 for a recognisable file of another
+    kind, and for undeclared bytes we cannot place.
+    """
+    if not head:
+        return 400, f"{subject} is empty"
+    other = sniff_other_format(head)
+    if other is not None:
+        return 415, f"unsupported media type: {subject} is {other}, not an image, video or audio file"
+    if declared is not None:
+        return 400, f"{subject} is not a valid {declared.kind} (declared {declared.source})"
+    return 415, f"unsupported media type: {subject} is not an image, video or audio format we recognize"
+
+
 # --------------------------------------------------------------------------- stored files
 
 
@@ -143,6 +287,8 @@ class StoredFile:
     media_kind: str | None  # sniffed; None = not a media type we know
     created_at: int
     purpose: str = "user_data"
+    declared: DeclaredType | None = None  # what the part's Content-Type or file name said it is
+    head: bytes = field(default=b"", repr=False)  # the first SNIFF_BYTES, to explain a refusal
 
     def to_openai(self) -> dict:
         return {
@@ -278,6 +424,7 @@ class _FormBuilder:
             return
         assert part.path is not None and part.filename is not None
         self._pending_closes.append(part.file)
+        content_type = part.headers.get("content-type", b"").decode("latin-1")
         self.form.files[part.name] = StoredFile(
             id=part.name,
             path=part.path,
@@ -285,6 +432,8 @@ class _FormBuilder:
             bytes=part.size,
             media_kind=sniff_media_kind(bytes(part.head)),
             created_at=int(time.time()),
+            declared=declared_type(content_type, part.filename),
+            head=bytes(part.head),
         )
 
     def _on_end(self) -> None:
@@ -353,12 +502,6 @@ def _boundary(request: Request) -> bytes:
     return boundary
 
 
-def _check_declared_length(request: Request, max_bytes: int) -> None:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise UploadError(413, f"upload exceeds the {format_size(max_bytes)} limit", close_connection=True)
-
-
 async def parse_multipart(
     request: Request,
     spool_dir: Path,
@@ -366,35 +509,45 @@ async def parse_multipart(
     *,
     max_field_bytes: int = 1 << 20,
     max_parts: int = 64,
+    stated_limit: int | None = None,
 ) -> MultipartForm:
     """Stream a multipart/form-data body: fields into memory, file parts into `spool_dir`.
 
     Raises UploadError (400 malformed / too many parts / client gone, 413 too
     large) after deleting whatever was already spooled. On success the caller
     owns the files and must call `MultipartForm.cleanup()` (or move them).
+    `stated_limit` is the limit a 413 names, when `max_bytes` adds room for the
+    form around a file whose own limit the user knows.
     """
-    boundary = _boundary(request)
-    _check_declared_length(request, max_bytes)
+    too_large = f"upload exceeds the {format_size(stated_limit or max_bytes)} limit"
+    try:
+        boundary = _boundary(request)
+    except UploadError as exc:
+        raise await settle_refusal(request, exc, body_started=False) from None
+    await refuse_declared_oversize(request, max_bytes, too_large)
     spool_dir.mkdir(parents=True, exist_ok=True)
     builder = _FormBuilder(spool_dir, max_field_bytes, max_parts)
     try:
         parser = MultipartParser(boundary, builder.callbacks())  # type: ignore[arg-type]
-        await _feed(request, parser, builder, max_bytes)
-    except (FormParserError, ClientDisconnect) as exc:
+        await _feed(request, parser, builder, max_bytes, too_large)
+    except (FormParserError, ClientDisconnect, UploadError) as exc:
         builder.discard()
-        raise _upload_error_for(exc) from exc
-    except BaseException:  # UploadError, cancellation, disk full...: never leave partial files behind
+        error = exc if isinstance(exc, UploadError) else _upload_error_for(exc)
+        raise await settle_refusal(request, error) from None
+    except BaseException:  # cancellation, disk full...: never leave partial files behind
         builder.discard()
         raise
     return builder.form
 
 
-async def _feed(request: Request, parser: MultipartParser, builder: _FormBuilder, max_bytes: int) -> None:
+async def _feed(
+    request: Request, parser: MultipartParser, builder: _FormBuilder, max_bytes: int, too_large: str
+) -> None:
     received = 0
     async for chunk in request.stream():
         received += len(chunk)
         if received > max_bytes:
-            raise UploadError(413, f"upload exceeds the {format_size(max_bytes)} limit", close_connection=True)
+            raise UploadError(413, too_large, close_connection=True)
         parser.write(chunk)
         if builder.has_pending_io():
             await asyncio.to_thread(builder.flush)
@@ -423,7 +576,8 @@ class FileStore:
 
     async def save_upload(self, request: Request) -> StoredFile:
         """Store the `file` part of a multipart upload (with an optional `purpose` field)."""
-        form = await parse_multipart(request, self.root, self.max_file_bytes + _FORM_OVERHEAD_BYTES)
+        form = await parse_multipart(request, self.root, self.max_file_bytes + _FORM_OVERHEAD_BYTES,
+                                     stated_limit=self.max_file_bytes)
         try:
             upload = self._validated_upload(form)
             file_id = f"file-{secrets.token_hex(12)}"
@@ -435,10 +589,7 @@ class FileStore:
         form.files.pop("file")
         form.cleanup()  # any other file parts were not asked for
         purpose = form.fields.get("purpose", "").strip() or "user_data"
-        stored = StoredFile(
-            id=file_id, path=path, filename=upload.filename, bytes=upload.bytes,
-            media_kind=upload.media_kind, created_at=upload.created_at, purpose=purpose,
-        )
+        stored = dataclasses.replace(upload, id=file_id, path=path, purpose=purpose)
         self._files[file_id] = stored
         return stored
 
@@ -446,14 +597,11 @@ class FileStore:
         upload = form.files.get("file")
         if upload is None:
             raise UploadError(400, "the upload has no 'file' part")
-        if upload.bytes == 0:
-            raise UploadError(400, f"the uploaded file '{upload.filename}' is empty")
         if upload.bytes > self.max_file_bytes:
             raise UploadError(413, f"upload exceeds the {format_size(self.max_file_bytes)} limit")
-        if upload.media_kind is None:
-            raise UploadError(
-                415, f"unsupported media type: '{upload.filename}' is not an image, video or audio format we recognize"
-            )
+        if upload.media_kind is None:  # empty, or not media (or not the media it claims to be)
+            raise UploadError(*refusal_for_unrecognised(f"the uploaded file {upload.filename!r}", upload.head,
+                                                        upload.declared))
         return upload
 
     def get(self, file_id: str) -> StoredFile | None:

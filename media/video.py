@@ -222,6 +222,9 @@ def _pick_stream(container: av.container.InputContainer) -> av.video.stream.Vide
         if s.disposition & av.stream.Disposition.attached_pic:
             continue
         return s
+    if not container.streams.audio and not container.streams.subtitles:
+        # A video container that opened but holds no media at all: its header survived, the rest is damaged.
+        raise MediaError("video file is corrupt: it holds no video or audio stream", 400)
     raise MediaError("file contains no video stream", 415)
 
 

@@ -276,6 +276,16 @@ def test_api_key(strict_server: LiveServer) -> None:
         ([{"type": "image_url", "image_url": {"url": _data_url(_png()[:100] + b"\0" * 200)}}], {}, 400, "image"),
         ([{"type": "image_url", "image_url": {"url": _data_url(b"just some text, not media")}}], {}, 415,
          "unsupported media type"),
+        # Bytes that are not what the client declared are a bad request, as at OpenAI.
+        ([{"type": "image_url", "image_url": {"url": _data_url(np.random.default_rng(0).bytes(4096))}}], {}, 400,
+         "is not a valid image (declared image/png)"),
+        ([{"type": "input_audio", "input_audio": {"data": base64.b64encode(b"\0" + np.random.default_rng(1).bytes(4096))
+                                                  .decode(), "format": "wav"}}], {}, 400,
+         "is not a valid audio (declared by its part type 'input_audio')"),
+        ([{"type": "image_url", "image_url": {"url": _data_url(b"%PDF-1.7\n" + bytes(100))}}], {}, 415,
+         "is a PDF document"),
+        ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}], {}, 400, "is empty"),
+        ("hi", {"temperature": 10**400}, 400, "'temperature' is out of range"),
         ("hi", {"max_tokens": 9000}, 400, "context length"),
         ("hi", {"max_tokens": "ten"}, 400, "'max_tokens' must be an integer"),
     ],
@@ -300,6 +310,52 @@ def test_bad_json_and_upload_limits(strict_server: LiveServer) -> None:
     assert sent < 8 << 20  # refused while the body was still arriving, not after
     unsupported = httpx.post(f"{url}/v1/files", headers=auth, files={"file": ("notes.txt", b"plain text " * 50)})
     assert unsupported.status_code == 415 and "unsupported media type" in unsupported.json()["error"]["message"]
+    _still_serving(strict_server)
+
+
+def test_bodies_over_the_limit_reach_the_client_as_413(strict_server: LiveServer) -> None:
+    # httpx sends a whole body before reading the answer: the server must drain it,
+    # not close the connection under the client (which would be a reset, not a 413).
+    url, auth = strict_server.url, {"authorization": f"Bearer {API_KEY}"}
+    big = _data_url(b"\0" * (3 << 20))
+    with httpx.Client(timeout=60, headers=auth) as client:
+        chat = client.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": big}]})
+        assert chat.status_code == 413 and "exceeds the 2 MB limit" in chat.json()["error"]["message"]
+        upload = client.post(f"{url}/v1/files", files={"file": ("big.png", _png() + b"\0" * (3 << 20), "image/png")})
+        assert upload.status_code == 413 and "exceeds the 2 MB limit" in upload.json()["error"]["message"]
+        assert "close" not in (chat.headers.get("connection", "") + upload.headers.get("connection", ""))
+    _still_serving(strict_server)
+
+
+def test_too_deep_json_is_400(strict_server: LiveServer) -> None:
+    url, auth = strict_server.url, {"authorization": f"Bearer {API_KEY}"}
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    as_body = httpx.post(f"{url}/v1/chat/completions", content=deep,
+                         headers=auth | {"content-type": "application/json"}, timeout=60)
+    assert as_body.status_code == 400
+    assert as_body.json()["error"]["message"] == "request body is not valid JSON: it nests too deeply"
+    as_part = httpx.post(f"{url}/v1/chat/completions", files={"request": (None, deep, "application/json")},
+                         headers=auth, timeout=60)
+    assert as_part.status_code == 400
+    assert as_part.json()["error"]["message"] == "the 'request' part is not valid JSON: it nests too deeply"
+    _still_serving(strict_server)
+
+
+def test_multipart_parts_that_are_not_what_they_claim(strict_server: LiveServer) -> None:
+    url, auth = strict_server.url, {"authorization": f"Bearer {API_KEY}"}
+
+    def send(filename: str, data: bytes) -> httpx.Response:
+        body = {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "clip"}}]}]}
+        files = {"request": (None, json.dumps(body), "application/json"), "clip": (filename, data)}
+        return httpx.post(f"{url}/v1/chat/completions", files=files, headers=auth, timeout=60)
+
+    random_mp4 = send("clip.mp4", np.random.default_rng(0).bytes(4096))
+    assert random_mp4.status_code == 400, random_mp4.text
+    assert "is not a valid video (declared video/mp4)" in random_mp4.json()["error"]["message"]
+    empty = send("clip.mp4", b"")
+    assert empty.status_code == 400 and "is empty" in empty.json()["error"]["message"]
+    upload = httpx.post(f"{url}/v1/files", headers=auth, files={"file": ("clip.mp4", b"")})
+    assert upload.status_code == 400 and "is empty" in upload.json()["error"]["message"]
     _still_serving(strict_server)
 
 

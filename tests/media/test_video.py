@@ -399,6 +399,9 @@ def test_bad_inputs(tmp_path: Path) -> None:
     case("truncated_faststart.mp4", faststart.read_bytes()[: faststart.stat().st_size // 2], 400)
     mkv = write_video(tmp_path / "full.mkv", n=90)
     case("truncated.mkv", mkv.read_bytes()[: mkv.stat().st_size // 2], 400)
+    avi = write_video(tmp_path / "full.avi", codec="mpeg4", n=30).read_bytes()
+    # The container header survives, the noise after it holds no stream: corrupt, not "not a video".
+    case("noise_after_header.avi", avi[:16] + rng.integers(0, 256, len(avi) - 16, dtype=np.uint8).tobytes(), 400)
     cases["too_long"] = (good, 413, MediaLimits(max_video_seconds=1.0))
     cases["too_big"] = (good, 413, MediaLimits(max_file_bytes=100))
 
