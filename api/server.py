@@ -17,25 +17,34 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.chat import BadRequest, ChatRequest, MediaRef, UnsupportedMedia, parse_chat_request, parse_sampling, parse_stop
-from api.engine_loop import EngineOverloaded
+from api.chat import (
+    BadRequest, ChatRequest, MediaRef, UnsupportedMedia, parse_bool, parse_chat_request, parse_include_usage,
+    parse_json_body, parse_sampling, parse_stop, require_unicode,
+)
+from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed
 from api.metrics import ServerMetrics
+from api.openapi import openapi_document
 from api.runtime import ServingModel
 from api.textstream import TextStream
-from api.uploads import FileStore, MultipartForm, StoredFile, UploadError, parse_multipart
+from api.uploads import (
+    FileStore, MultipartForm, StoredFile, UploadError, format_size, parse_multipart, refuse_declared_oversize,
+)
 from embedding_cache import Embedding
 from encoders import EncoderQueueFull
 from llm_core import MultimodalSpan, SamplingParams
+from llm_core.engine import TokenEvent
 from llm_core.chat import ChatTemplateError, MediaPart, build_chat_prompt
 from media import MediaError, has_audio_track
 
@@ -65,6 +74,10 @@ def _error_for(exc: Exception) -> JSONResponse | None:
         return error_response(exc.status, str(exc), "media_error")
     if isinstance(exc, EngineOverloaded):
         return error_response(429, str(exc), "rate_limit_exceeded")
+    if isinstance(exc, EngineUnavailable):
+        return error_response(503, str(exc), "server_overloaded")
+    if isinstance(exc, RequestFailed):  # the server's fault, this request's alone: others go on
+        return error_response(500, str(exc), "server_error")
     if isinstance(exc, EncoderQueueFull):
         return error_response(503, f"{exc}; retry shortly", "server_overloaded")
     if isinstance(exc, ValueError):  # engine-side validation (length, KV pool, spans)
@@ -78,14 +91,14 @@ def _error_for(exc: Exception) -> JSONResponse | None:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on /v1/* when the server has a key."""
+    """``Authorization: Bearer <key>`` on /v1/* and on admin actions when the server has a key."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if self.expected is not None and scope["type"] == "http" and _needs_key(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization")
             if given != self.expected:
                 reason = "missing API key" if given is None else "invalid API key"
@@ -94,6 +107,10 @@ class ApiKeyMiddleware:
                 )
                 return
         await self.app(scope, receive, send)
+
+
+def _needs_key(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/flush_cache"
 
 
 class RequestMetricsMiddleware:
@@ -198,29 +215,37 @@ class ChatService:
             out_messages.append({**message, "content": parts})
         return out_messages, out_refs
 
-    async def tokens(
-        self, prompt_ids: list[int], params: SamplingParams, spans: list[MultimodalSpan], stops: tuple[str, ...]
-    ) -> AsyncIterator[tuple[str, str | None, list[int]]]:
+    async def open(self, prompt_ids: list[int], params: SamplingParams, spans: list[MultimodalSpan]) -> Generation:
+        """Admit a request to the engine: whatever it refuses is raised here, before
+        the response starts (so it can still be a 400)."""
+        started = time.perf_counter()
+        stream = await self.model.engine.open(prompt_ids, params, spans)
+        return Generation(stream, len(prompt_ids), started)
+
+    async def tokens(self, gen: Generation, stops: tuple[str, ...]) -> AsyncIterator[tuple[str, str | None, list[int]]]:
         """(text delta, finish reason or None, the tokens so far), with timing metrics."""
         text = TextStream(self._decode, stops)
-        started = last = time.perf_counter()
-        async for event in self.model.engine.generate(prompt_ids, params, spans):
-            now = time.perf_counter()
-            if not text.tokens:
-                self.metrics.observe_ttft(now - started)
-            else:
-                self.metrics.observe_inter_token(now - last)
-            last = now
-            delta = text.push(event.token, final=event.finish_reason is not None)
-            finish = "stop" if text.stopped else event.finish_reason
-            yield delta, finish, text.tokens
-            if finish is not None:
-                self.metrics.count_tokens(len(prompt_ids), len(text.tokens))
-                return
+        last = gen.started
+        try:
+            async for event in gen.stream:
+                now = time.perf_counter()
+                if not text.tokens:
+                    self.metrics.observe_ttft(now - gen.started)
+                else:
+                    self.metrics.observe_inter_token(now - last)
+                last = now
+                delta = text.push(event.token, final=event.finish_reason is not None)
+                finish = "stop" if text.stopped else event.finish_reason
+                yield delta, finish, text.tokens
+                if finish is not None:
+                    self.metrics.count_tokens(gen.num_prompt_tokens, len(text.tokens))
+                    return
+        finally:
+            await gen.stream.aclose()  # a stop string ends it early: abort at once, not at GC
 
-    async def complete(self, request: ChatRequest, prompt_ids: list[int], spans: list[MultimodalSpan]) -> dict:
+    async def complete(self, request: ChatRequest, gen: Generation) -> dict:
         content, finish, tokens = "", None, []
-        async for delta, finish, tokens in self.tokens(prompt_ids, request.params, spans, request.stop):
+        async for delta, finish, tokens in self.tokens(gen, request.stop):
             content += delta
         n = len(tokens)
         return _chat_envelope(self.model.name, "chat.completion") | {
@@ -232,32 +257,46 @@ class ChatService:
                     "logprobs": None,
                 }
             ],
-            "usage": _usage(len(prompt_ids), n),
+            "usage": _usage(gen.num_prompt_tokens, n),
         }
 
-    async def stream(
-        self, request: ChatRequest, prompt_ids: list[int], spans: list[MultimodalSpan]
-    ) -> AsyncIterator[str]:
+    async def stream(self, request: ChatRequest, gen: Generation) -> AsyncIterator[str]:
         envelope = _chat_envelope(self.model.name, "chat.completion.chunk")
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
         yield _sse(envelope | {"choices": [first]})
         tokens: list[int] = []
         try:
-            async for delta, finish, tokens in self.tokens(prompt_ids, request.params, spans, request.stop):
+            async for delta, finish, tokens in self.tokens(gen, request.stop):
                 if not delta and finish is None:
                     continue
                 choice = {"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish,
                           "logprobs": None}
                 yield _sse(envelope | {"choices": [choice]})
-        except ValueError as exc:
-            yield _sse({"error": {"message": str(exc), "type": "invalid_request_error", "code": 400}})
+        except (RequestFailed, EngineUnavailable) as exc:
+            yield _sse_error(exc)
         if request.include_usage:
-            yield _sse(envelope | {"choices": [], "usage": _usage(len(prompt_ids), len(tokens))})
+            yield _sse(envelope | {"choices": [], "usage": _usage(gen.num_prompt_tokens, len(tokens))})
         yield "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A request the engine has admitted: its token stream and when it was sent."""
+
+    stream: AsyncGenerator[TokenEvent, None]
+    num_prompt_tokens: int
+    started: float
 
 
 async def _false() -> bool:
     return False
+
+
+def _sse_error(exc: RequestFailed | EngineUnavailable) -> str:
+    """A failure after the 200 was sent can only travel inside the stream."""
+    if isinstance(exc, EngineUnavailable):
+        return _sse({"error": {"message": str(exc), "type": "server_overloaded", "code": 503}})
+    return _sse({"error": {"message": str(exc), "type": "server_error", "code": 500}})
 
 
 def _chat_envelope(model: str, kind: str) -> dict[str, Any]:
@@ -291,18 +330,14 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 async def _read_json(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise UploadError(413, f"request body exceeds the {limit >> 20} MB limit", close_connection=True)
+    too_large = f"request body exceeds the {format_size(limit)} limit"
+    await refuse_declared_oversize(request, limit, too_large)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise UploadError(413, f"request body exceeds the {limit >> 20} MB limit", close_connection=True)
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+            raise UploadError(413, too_large, close_connection=True)
+    return parse_json_body(bytes(body))
 
 
 # ---------------------------------------------------------------------------------------
@@ -312,12 +347,12 @@ async def _read_json(request: Request, limit: int) -> Any:
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
     if isinstance(prompt, str):
-        return [prompt]
+        return [require_unicode(prompt, "'prompt'")]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return [prompt]
         if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
+            return [require_unicode(p, f"'prompt'[{i}]") for i, p in enumerate(prompt)]
         if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
             return [list(p) for p in prompt]
     raise BadRequest("'prompt' must be a string, a list of token ids, or a list of either")
@@ -342,17 +377,32 @@ class CompletionService:
         prompts = [self.llm.encode_prompt(p) for p in _prompts(body.get("prompt"))]
         for ids in prompts:
             self.llm.check_length(len(ids), params.max_tokens)
-        options = body.get("stream_options") or {}
-        return prompts, params, stop, bool(body.get("stream", False)), bool(options.get("include_usage"))
+        return prompts, params, stop, parse_bool(body, "stream"), parse_include_usage(body, default=False)
 
-    async def _one(self, ids: list[int], params: SamplingParams, stop: tuple[str, ...]) -> dict[str, Any]:
+    async def open(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Admit every prompt, or none: one refused closes those already admitted."""
+        opened: list[Generation] = []
+        try:
+            for ids in prompts:
+                opened.append(await self.chat.open(ids, params, []))
+        except BaseException:
+            for gen in opened:
+                await gen.stream.aclose()
+            raise
+        return opened
+
+    async def _one(self, gen: Generation, stop: tuple[str, ...]) -> dict[str, Any]:
         text, finish, tokens = "", None, []
-        async for delta, finish, tokens in self.chat.tokens(ids, params, [], stop):
+        async for delta, finish, tokens in self.chat.tokens(gen, stop):
             text += delta
         return {"text": text, "finish_reason": finish, "token_ids": list(tokens)}
 
-    async def complete(self, prompts: list[list[int]], params: SamplingParams, stop: tuple[str, ...]) -> dict:
-        results = await asyncio.gather(*(self._one(ids, params, stop) for ids in prompts))
+    async def complete(self, gens: list[Generation], stop: tuple[str, ...]) -> dict:
+        try:
+            results = await _gather_or_cancel([self._one(gen, stop) for gen in gens])
+        finally:
+            for gen in gens:  # one failed: the others' work is this client's, and it gets an error
+                await gen.stream.aclose()
         choices = [
             {"index": i, "text": r["text"], "token_ids": r["token_ids"], "logprobs": None,
              "finish_reason": r["finish_reason"]}
@@ -361,29 +411,27 @@ class CompletionService:
         total = sum(len(r["token_ids"]) for r in results)
         return _completion_envelope(self.chat.model.name) | {
             "choices": choices,
-            "usage": _usage(sum(len(p) for p in prompts), total),
+            "usage": _usage(sum(gen.num_prompt_tokens for gen in gens), total),
         }
 
-    async def stream(
-        self, prompts: list[list[int]], params: SamplingParams, stop: tuple[str, ...], include_usage: bool
-    ) -> AsyncIterator[str]:
+    async def stream(self, gens: list[Generation], stop: tuple[str, ...], include_usage: bool) -> AsyncIterator[str]:
         queue: asyncio.Queue[tuple[int, str, str | None, list[int]] | None] = asyncio.Queue()
 
-        async def pump(i: int, ids: list[int]) -> None:
+        async def pump(i: int, gen: Generation) -> None:
             sent = 0
-            async for delta, finish, tokens in self.chat.tokens(ids, params, [], stop):
+            async for delta, finish, tokens in self.chat.tokens(gen, stop):
                 if delta or finish is not None:
                     await queue.put((i, delta, finish, tokens[sent:]))
                     sent = len(tokens)
 
         async def run_all() -> None:
             try:
-                await asyncio.gather(*(pump(i, ids) for i, ids in enumerate(prompts)))
+                await _gather_or_cancel([pump(i, gen) for i, gen in enumerate(gens)])
             finally:
                 await queue.put(None)
 
         runner = asyncio.ensure_future(run_all())
-        counts = [0] * len(prompts)
+        counts = [0] * len(gens)
         try:
             while (item := await queue.get()) is not None:
                 i, delta, finish, new_tokens = item
@@ -391,12 +439,29 @@ class CompletionService:
                 choice = {"index": i, "text": delta, "token_ids": new_tokens, "logprobs": None, "finish_reason": finish}
                 yield _sse(_completion_envelope(self.chat.model.name) | {"choices": [choice]})
             await runner
+        except (RequestFailed, EngineUnavailable) as exc:
+            yield _sse_error(exc)
         finally:
             runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)  # nobody reads the streams while they close
+            for gen in gens:
+                await gen.stream.aclose()
         if include_usage:
-            usage = _usage(sum(len(p) for p in prompts), sum(counts))
+            usage = _usage(sum(gen.num_prompt_tokens for gen in gens), sum(counts))
             yield _sse(_completion_envelope(self.chat.model.name) | {"choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
+
+
+async def _gather_or_cancel(aws: list[Awaitable[Any]]) -> list[Any]:
+    """Every result; when one fails the others are cancelled, and awaited, before
+    the failure is raised (plain gather leaves them running)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _completion_envelope(model: str) -> dict[str, Any]:
@@ -437,10 +502,7 @@ def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Sta
                 form = await parse_multipart(request, spool_root / "requests", options.max_upload_bytes)
                 if "request" not in form.fields:
                     raise BadRequest("a multipart chat request needs a 'request' part holding the JSON body")
-                try:
-                    body = json.loads(form.fields["request"])
-                except json.JSONDecodeError as exc:
-                    raise BadRequest(f"the 'request' part is not valid JSON: {exc}") from None
+                body = parse_json_body(form.fields["request"], "the 'request' part")
             else:
                 body = await _read_json(request, min(options.max_upload_bytes, _JSON_BODY_LIMIT))
             parts = form.files if form is not None else {}
@@ -452,9 +514,10 @@ def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Sta
             prompt_ids, spans = await _until_disconnected(request, chat.prompt(parsed))
             if form is not None:
                 form.cleanup()  # embedded: the spooled media are no longer needed
+            gen = await _until_disconnected(request, chat.open(prompt_ids, parsed.params, spans))
             if parsed.stream:
-                return StreamingResponse(chat.stream(parsed, prompt_ids, spans), media_type="text/event-stream")
-            return JSONResponse(await _until_disconnected(request, chat.complete(parsed, prompt_ids, spans)))
+                return StreamingResponse(chat.stream(parsed, gen), media_type="text/event-stream")
+            return JSONResponse(await _until_disconnected(request, chat.complete(parsed, gen)))
 
         try:
             return await guarded(request, handle)
@@ -466,11 +529,10 @@ def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Sta
         async def handle() -> Response:
             body = await _read_json(request, _JSON_BODY_LIMIT)
             prompts, params, stop, stream, include_usage = completions.parse(body)
+            gens = await _until_disconnected(request, completions.open(prompts, params))
             if stream:
-                return StreamingResponse(
-                    completions.stream(prompts, params, stop, include_usage), media_type="text/event-stream"
-                )
-            return JSONResponse(await _until_disconnected(request, completions.complete(prompts, params, stop)))
+                return StreamingResponse(completions.stream(gens, stop, include_usage), media_type="text/event-stream")
+            return JSONResponse(await _until_disconnected(request, completions.complete(gens, stop)))
 
         return await guarded(request, handle)
 
@@ -502,6 +564,19 @@ def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Sta
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    # Built once: it depends only on the model, which a server never changes.
+    spec = openapi_document(model.name, model.llm.config.vocab_size, model.llm.config.max_position_embeddings,
+                            model.media_kinds)
+
+    async def openapi_spec(_: Request) -> Response:
+        return JSONResponse(spec)
+
+    async def engine_stats(_: Request) -> Response:
+        return JSONResponse(model.engine.stats() | {"pending_requests": model.engine.pending})
+
+    async def flush_cache(_: Request) -> Response:
+        return JSONResponse({"flushed": True, "stats": await model.engine.flush_cache()})
+
     async def models(_: Request) -> Response:
         card = {
             "id": model.name,
@@ -523,6 +598,12 @@ def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Sta
             return error_response(404, "the demo page is not installed", "not_found")
         return FileResponse(page, media_type="text/html")
 
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        # Starlette's own answers (unknown path, wrong method) are plain text; clients parse JSON.
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind,
+                              dict(exc.headers or {}))
+
     async def server_error(_: Request, exc: Exception) -> Response:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
@@ -538,6 +619,9 @@ def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Sta
         routes=[
             Route("/", demo_page),
             Route("/health", health),
+            Route("/openapi.json", openapi_spec),
+            Route("/stats", engine_stats),
+            Route("/flush_cache", flush_cache, methods=["POST"]),
             Route("/metrics", prometheus),
             Route("/v1/models", models),
             Route("/v1/completions", text_completions, methods=["POST"]),
@@ -546,7 +630,7 @@ def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Sta
             Route("/v1/files", list_files, methods=["GET"]),
             Route("/v1/files/{file_id}", file_detail, methods=["GET", "DELETE"]),
         ],
-        exception_handlers={Exception: server_error},
+        exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
     )
     app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)

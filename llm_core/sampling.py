@@ -105,6 +105,7 @@ def sample_token(
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
         drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
+        drop[0] = False  # a top_p that rounds to 0 in float32 must still leave the top token
         logits = logits.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -63,7 +63,8 @@ class _Run:
 async def _answer(chat: ChatService, request: ChatRequest) -> _Run:
     prompt_ids, spans = await chat.prompt(request)
     text, tokens = "", []
-    async for delta, _, tokens in chat.tokens(prompt_ids, request.params, spans, request.stop):
+    gen = await chat.open(prompt_ids, request.params, spans)
+    async for delta, _, tokens in chat.tokens(gen, request.stop):
         text += delta
     return _Run(text.strip(), prompt_ids, list(tokens), spans)
 

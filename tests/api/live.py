@@ -1,56 +1,25 @@
-"""Starting `swallow serve` in a subprocess for live tests."""
+"""Starting `swallow serve` in a subprocess for live tests (see api/launch.py)."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
+from api.launch import RunningServer, ServerStartError, free_port, launch_server
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["LiveServer", "free_port", "live_server"]
 
-
-@dataclass(frozen=True)
-class LiveServer:
-    url: str
-    pid: int
+LiveServer = RunningServer
 
 
 @contextmanager
 def live_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[LiveServer]:
-    """A real uvicorn server on localhost, stopped on exit."""
-    port = free_port()
-    argv: Sequence[str] = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir),
-                           "--port", str(port), "--log-level", "warning", *extra]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    """A real uvicorn server on localhost, stopped on exit; a failed start fails the test."""
     try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"server did not start:\n{proc.stdout.read() if proc.stdout else ''}")
-            time.sleep(0.2)
-        yield LiveServer(url, proc.pid)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        with launch_server(model_dir, *extra, env=env) as server:
+            yield server
+    except ServerStartError as exc:  # only raised before the yield: the test body never saw a server
+        pytest.fail(str(exc))

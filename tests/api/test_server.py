@@ -93,6 +93,16 @@ def test_stop_strings_cut_the_text(server: str, llm: LLM) -> None:
         (json.dumps({"prompt": "hi", "max_tokens": "ten"}).encode(), "'max_tokens' must be an integer"),
         (json.dumps({"prompt": "hi", "n": 3}).encode(), "n=1"),
         (json.dumps({"prompt": [5] * 8190, "max_tokens": 100, "stream": True}).encode(), "context length"),
+        (b"[" * 100_000 + b"]" * 100_000, "nests too deeply"),
+        (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "nests too deeply"),
+        (b'{"prompt": "caf\xe9"}', "not valid JSON"),  # Latin-1, not UTF-8
+        (b'{"prompt": "hi", "temperature": NaN}', "NaN is not a JSON value"),
+        (b'{"prompt": "hi", "top_p": -Infinity}', "-Infinity is not a JSON value"),
+        (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", "an integer of 5001 digits is too long"),
+        (json.dumps({"prompt": "hi", "temperature": 10**400}).encode(), "'temperature' is out of range"),
+        (json.dumps({"prompt": "x\ud800"}).encode(), "'prompt' is not valid Unicode: a lone surrogate"),
+        (json.dumps({"prompt": "hi", "stream": "false"}).encode(), "'stream' must be true or false"),
+        (json.dumps({"prompt": "hi", "stream_options": "usage"}).encode(), "'stream_options' must be an object"),
     ],
 )
 def test_bad_requests_get_400_with_a_reason_and_the_server_keeps_serving(
@@ -111,3 +121,27 @@ def test_a_request_larger_than_the_kv_pool_is_a_400(tiny_checkpoint: Path) -> No
         r = httpx.post(f"{live.url}/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 10}, timeout=60)
         assert r.status_code == 400
         assert "more KV memory than the pool holds" in r.json()["error"]["message"]
+
+
+def test_gather_or_cancel_stops_the_others_when_one_fails() -> None:
+    import asyncio
+
+    from api.server import _gather_or_cancel
+
+    finished: list[str] = []
+
+    async def slow() -> None:
+        await asyncio.sleep(5)
+        finished.append("slow")
+
+    async def failing() -> None:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("one prompt failed")
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="one prompt failed"):
+            await _gather_or_cancel([slow(), failing()])
+        assert all(task.done() for task in asyncio.all_tasks() if task is not asyncio.current_task())
+
+    asyncio.run(main())
+    assert finished == []

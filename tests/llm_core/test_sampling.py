@@ -104,3 +104,9 @@ def test_bad_prompts_are_rejected_with_reasons(llm: LLM) -> None:
         llm.generate([[5] * 8000], SamplingParams(max_tokens=500))
     with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
         llm.generate(PROMPTS, [SamplingParams(), SamplingParams()])
+
+
+def test_a_top_p_below_float32_resolution_keeps_the_top_token() -> None:
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    gen = torch.Generator().manual_seed(0)
+    assert sample_token(logits, SamplingParams(temperature=1.0, top_p=5e-324), gen) == 1
