@@ -145,6 +145,8 @@ def _bench(args: argparse.Namespace) -> int:
                              page_size=args.page_size)
     elif args.name == "prefix-cache":
         result = _bench_prefix_cache(args)
+    elif args.name == "load":
+        result = _bench_load(args)
     elif args.name == "video":
         from media.bench_video import video_bench
 
@@ -181,6 +183,18 @@ def _bench_prefix_cache(args: argparse.Namespace) -> dict:
         plot_sweep(points, result["upper_bound"], args.plot, f"{Path(args.trace).name}: hit rate vs SWA pool")
         result["sweep"] = [{k: p[k] for k in ("swa_fraction", "policy", "hit_rate", "failed_requests")}
                            for p in points]
+        result["plot"] = args.plot
+    return result
+
+
+def _bench_load(args: argparse.Namespace) -> dict:
+    from api.bench_load import DEFAULT_LEVELS, load_bench, plot_load
+
+    model = Path(args.model) if args.model else _ensure_default_model()
+    levels = [int(level) for level in args.levels.split(",")] if args.levels else DEFAULT_LEVELS
+    result = load_bench(model, levels, seed=args.seed, num_requests=args.load_requests, repeats=args.repeats)
+    if args.plot:
+        plot_load(result, args.plot)
         result["plot"] = args.plot
     return result
 
@@ -241,18 +255,19 @@ def build_parser() -> argparse.ArgumentParser:
     video_qa.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
-    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder"])
+    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv: model shape")
     bench.add_argument("--context", type=int, default=131072, help="kv: tokens per request")
     bench.add_argument("--kv-budget-gib", type=float, default=8192.0, help="kv: KV memory budget")
     bench.add_argument("--page-size", type=int, default=16, help="kv: full-pool page size")
     bench.add_argument("--num-requests", type=int, default=32, help="throughput: requests")
-    bench.add_argument("--seed", type=int, default=0, help="throughput, image: workload seed")
+    bench.add_argument("--seed", type=int, default=0, help="throughput, image, load: workload seed")
     bench.add_argument("--fps", type=float, default=2.0, help="video: sampling rate")
     bench.add_argument("--threads", type=int, help="video: decode threads (default: usable cores)")
     bench.add_argument("--num-images", type=int, default=64, help="image: JPEGs in the batch")
-    bench.add_argument("--repeats", type=int, default=2, help="throughput, encoder: best of N runs per side")
+    bench.add_argument("--repeats", type=int, default=2,
+                       help="throughput, encoder: best of N runs per side; load: per level")
     bench.add_argument("--concurrency", type=int, default=16, help="encoder: concurrent clients")
     bench.add_argument("--encoder-requests", type=int, default=256, help="encoder: single-item requests")
     bench.add_argument("--max-wait-ms", type=float, default=5.0, help="encoder: batching window")
@@ -262,9 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--swa-fraction", type=float, default=0.05, help="prefix-cache: SWA pool / full pool")
     bench.add_argument("--checkpoint-interval", type=int, default=4096, help="prefix-cache: 0 for none")
     bench.add_argument("--limit", type=int, help="prefix-cache: first N requests only")
-    bench.add_argument("--plot", help="prefix-cache: also sweep SWA pool sizes and save a PNG here")
+    bench.add_argument("--plot", help="prefix-cache: also sweep SWA pool sizes and save a PNG here; "
+                       "load: save TTFT and throughput against concurrency as a PNG here")
     bench.add_argument("--sweep", default="0.005,0.01,0.02,0.05,0.1,0.25,1.0",
                        help="prefix-cache: SWA pool fractions for --plot")
+    bench.add_argument("--model", help="load: checkpoint to serve (default: the demo model)")
+    bench.add_argument("--levels", help="load: concurrency levels, comma-separated (default: 1,16,64,200)")
+    bench.add_argument("--load-requests", type=int,
+                       help="load: requests at every level (default: max(32, 2 x the highest level))")
     bench.set_defaults(func=_bench)
     return parser
 
