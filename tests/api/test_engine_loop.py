@@ -27,6 +27,12 @@ def _wait_for(predicate, timeout: float = 10.0) -> None:  # noqa: ANN001
         time.sleep(0.02)
 
 
+def _idle_at_capacity(engine: AsyncEngine) -> bool:
+    s = engine.stats()
+    return (s["running_requests"] == 0 and s["full_pool"]["free_tokens"] == s["full_pool"]["capacity_tokens"]
+            and s["swa_pool"]["free_tokens"] == s["swa_pool"]["capacity_tokens"])
+
+
 def test_concurrent_requests_match_offline_generation(tiny_checkpoint: Path) -> None:
     prompts = [list(range(10, 10 + n)) for n in (5, 40, 17, 90)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -57,12 +63,7 @@ def test_leaving_early_aborts_and_frees_kv(tiny_checkpoint: Path) -> None:
     try:
         assert _run(main()) == 3
 
-        def idle() -> bool:
-            s = engine.stats()
-            return (s["running_requests"] == 0 and s["full_pool"]["free_tokens"] == s["full_pool"]["capacity_tokens"]
-                    and s["swa_pool"]["free_tokens"] == s["swa_pool"]["capacity_tokens"])
-
-        _wait_for(idle)
+        _wait_for(lambda: _idle_at_capacity(engine))
         assert engine.pending == 0
     finally:
         engine.close()
@@ -81,9 +82,7 @@ def test_cancelled_task_aborts(tiny_checkpoint: Path) -> None:
 
     try:
         _run(main())
-        _wait_for(lambda: engine.stats()["running_requests"] == 0)
-        s = engine.stats()
-        assert s["full_pool"]["free_tokens"] == s["full_pool"]["capacity_tokens"]
+        _wait_for(lambda: _idle_at_capacity(engine))
     finally:
         engine.close()
 
@@ -137,9 +136,7 @@ def test_refusals_come_from_open_before_any_token(tiny_checkpoint: Path) -> None
 
     try:
         _run(main())
-        _wait_for(lambda: engine.stats()["running_requests"] == 0)
-        s = engine.stats()
-        assert s["full_pool"]["free_tokens"] == s["full_pool"]["capacity_tokens"]
+        _wait_for(lambda: _idle_at_capacity(engine))
     finally:
         engine.close()
 
@@ -166,7 +163,7 @@ def test_one_requests_failure_leaves_the_others_alone(tiny_checkpoint: Path) -> 
         *good, failure = _run(main())
         assert isinstance(failure, RequestFailed) and "injected fault" in str(failure)
         assert good == expected
-        _wait_for(lambda: engine.stats()["full_pool"]["free_tokens"] == engine.stats()["full_pool"]["capacity_tokens"])
+        _wait_for(lambda: _idle_at_capacity(engine))
     finally:
         engine.close()
 
