@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +15,28 @@ from llm_core.config import ModelConfig
 from llm_core.model import MTPLayer
 from llm_core.presets import tiny
 from llm_core.checkpoint import write_random_checkpoint
+
+_REPORT = pytest.StashKey[list[str]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_REPORT] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    lines = config.stash.get(_REPORT, [])
+    if lines:
+        terminalreporter.section("figures reported by tests")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def suite_report(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """Adds a line to the end of the run's summary: shown even though pytest
+    captures what passing tests print."""
+    return request.config.stash[_REPORT].append
+
 
 # Short window so prompts of a few dozen tokens are "much longer than W".
 REF_WINDOW = 8

@@ -8,7 +8,7 @@ answers and a greedy completion gives the same tokens after the corpus as before
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -22,6 +22,7 @@ from tests.api.live import LiveServer, live_server
 MAX_UPLOAD_MB = 4  # small, so oversized cases are cheap
 CLIENT_TIMEOUT_S = 30.0
 TRACEBACK_MARKERS = ("Traceback", 'File "', '.py", line')
+PROBE_EVERY = 25
 PROBE = {"prompt": list(range(5, 25)), "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
@@ -107,15 +108,34 @@ def _server_problems(server: LiveServer, tokens_before: list[int] | str) -> list
     return problems
 
 
-def test_bad_input_corpus(server: LiveServer) -> None:
+def _unhealthy(client: httpx.Client, case_number: int, tokens_before: list[int]) -> str | None:
+    """Why the server is not well right after a case, or None. /health after every case;
+    the greedy probe (a real generation) after every PROBE_EVERY-th."""
+    try:
+        health = client.get("/health")
+    except httpx.HTTPError as exc:
+        return f"/health did not answer: {exc}"
+    if health.status_code != 200:
+        return f"/health answered {health.status_code}"
+    if case_number % PROBE_EVERY == 0 and (tokens := _probe_tokens(client)) != tokens_before:
+        return f"the greedy probe gave {tokens}, before the corpus {tokens_before}"
+    return None
+
+
+def test_bad_input_corpus(server: LiveServer, suite_report: Callable[[str], None]) -> None:
     cases = build_corpus(MAX_UPLOAD_MB << 20)
     with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
         tokens_before = _probe_tokens(client)
-    assert isinstance(tokens_before, list), f"the probe failed before the corpus: {tokens_before}"
-    outcomes = [run_case(server.url, case) for case in cases]
+        assert isinstance(tokens_before, list), f"the probe failed before the corpus: {tokens_before}"
+        outcomes = []
+        for number, case in enumerate(cases, 1):
+            outcome = run_case(server.url, case)
+            if outcome.problem is None and (sick := _unhealthy(client, number, tokens_before)):
+                outcome = Outcome(case, f"the server was not well after it: {sick}", outcome.seconds)
+            outcomes.append(outcome)
     failures = [f"{o.case.name}: {o.problem}" for o in outcomes if o.problem is not None]
     slowest = sorted(outcomes, key=lambda o: o.seconds)[-3:]
-    print(f"\nbad-input corpus: {len(cases)} cases, {len(cases) - len(failures)} passed; slowest: "
-          + ", ".join(f"{o.case.name} {o.seconds:.2f} s" for o in reversed(slowest)))
+    suite_report(f"bad-input corpus: {len(cases)} cases, {len(cases) - len(failures)} passed; slowest: "
+                 + ", ".join(f"{o.case.name} {o.seconds:.2f} s" for o in reversed(slowest)))
     problems = failures + _server_problems(server, tokens_before)
     assert not problems, f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(problems)
