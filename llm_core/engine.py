@@ -20,7 +20,7 @@ from llm_core.paged_attention import (
     paged_attention_torch,
 )
 from llm_core.prefix_cache import RadixCache
-from llm_core.sampling import SamplingParams, make_generator, sample_token
+from llm_core.sampling import SamplingParams, SamplingPlan, SamplingRow, request_seed, sample_tokens
 from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
 
 AttentionImpl = Literal["auto", "torch", "triton"]
@@ -63,11 +63,11 @@ class EngineFault(RuntimeError):
     engine must be rebuilt before it serves again."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Sampling:
     params: SamplingParams
     stop_ids: frozenset[int]
-    generator: torch.Generator | None
+    seed: int
 
 
 def page_slots(pages: list[int], base_page: int, page_size: int, start: int, end: int) -> torch.Tensor:
@@ -164,7 +164,7 @@ class Engine:
         request_id = self._next_id
         self._next_id += 1
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        self._sampling[request_id] = _Sampling(params, frozenset(stop_ids), make_generator(params, self.device))
+        self._sampling[request_id] = _Sampling(params, frozenset(stop_ids), request_seed(params))
         # Prefix-cache keys see each span's content key, not its placeholder ids.
         cache_prompt = with_cache_tokens(prompt, spans) if spans else list(prompt)
         seq = Sequence(request_id, cache_prompt, params.max_tokens, self.allocator.new_view())
@@ -226,7 +226,25 @@ class Engine:
         self.scheduler.after_step(chunks)
         if logits is None:
             return []
-        return [self._accept(chunk.seq, row) for chunk, row in zip(sampled, logits)]
+        return self._sample(sampled, logits)
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[TokenEvent]:
+        """One batched draw for every row and one device-to-host copy of the tokens;
+        if it fails, row by row, so only the rows that fail end (e.g. NaN logits)."""
+        rows = [self._sampling_row(chunk.seq) for chunk in chunks]
+        try:
+            plan = SamplingPlan.build(rows, logits.shape[-1], logits.device)
+            tokens = sample_tokens(logits, plan).tolist()
+        except Exception as exc:  # noqa: BLE001 - narrowed to the failing rows below
+            if len(chunks) == 1:
+                return [self._fail(chunks[0].seq, exc)]
+            return [event for i, chunk in enumerate(chunks) for event in self._sample([chunk], logits[i : i + 1])]
+        return [self._accept(chunk.seq, token) for chunk, token in zip(chunks, tokens)]
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        sampling = self._sampling[seq.request_id]
+        # The token count, not a step count: preemption and recompute draw the same.
+        return SamplingRow(sampling.params, sampling.seed, len(seq.output))
 
     def _isolate(self, chunks: list[ScheduledChunk], exc: Exception) -> list[TokenEvent]:
         if self._device_lost():
@@ -299,12 +317,8 @@ class Engine:
             embeds[first : first + rows.shape[0]] = rows
         return embeds
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
+    def _accept(self, seq: Sequence, token: int) -> TokenEvent:
         sampling = self._sampling[seq.request_id]
-        try:
-            token = sample_token(logits, sampling.params, sampling.generator)
-        except Exception as exc:  # noqa: BLE001 - e.g. NaN logits: this request's failure only
-            return self._fail(seq, exc)
         seq.output.append(token)
         reason = None
         if token in sampling.stop_ids:

@@ -1,12 +1,17 @@
-"""Sampling parameters and the per-request sampler.
+"""Sampling parameters and the batched sampler.
 
-Each request samples with its own ``torch.Generator``, so a seeded request
-draws the same tokens whatever else is in its batch.
+Every row of a step is sampled in one batched pass (greedy, temperature,
+top-k, top-p) with random numbers that are a function of the request's seed
+and its token count only, so a seeded request draws the same tokens whatever
+else is in its batch, and the step needs one device-to-host copy of the
+sampled tokens, not one per request.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,33 +84,110 @@ def _finite(value: object, name: str) -> float:
     return float(value)
 
 
-def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    if params.greedy:
-        return None
-    generator = torch.Generator(device=device)
-    if params.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(params.seed)
-    return generator
+@dataclass(frozen=True)
+class SamplingRow:
+    """One batch row to sample: its parameters, its seed and how many tokens the
+    request has sampled so far (the counter that makes each draw fresh)."""
+
+    params: SamplingParams
+    seed: int
+    offset: int
 
 
-def sample_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
-    """Next token id from one row of float32 logits [vocab]."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
-        drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
-        drop[0] = False  # a top_p that rounds to 0 in float32 must still leave the top token
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def request_seed(params: SamplingParams) -> int:
+    """The seed a request samples with: its own, or a fresh random one."""
+    return params.seed if params.seed is not None else secrets.randbits(64)
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """The sampling parameters of a step's rows as tensors, built on the host in
+    O(rows) from values it already has, so sampling needs no host round trip."""
+
+    sampled_rows: torch.Tensor | None  # [S] rows that draw at random; None: every row is greedy
+    temperature: torch.Tensor  # [S, 1] float32
+    top_k: torch.Tensor | None  # [S, 1] int64 (the vocabulary size where off); None: no row filters
+    top_p: torch.Tensor | None  # [S, 1] float32
+    seed_lo: torch.Tensor  # [S, 1] int64: the seed's low and high 32 bits
+    seed_hi: torch.Tensor
+    offset: torch.Tensor  # [S, 1] int64
+
+    @staticmethod
+    def build(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str) -> SamplingPlan:
+        drawn = [(i, row) for i, row in enumerate(rows) if not row.params.greedy]
+
+        def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).view(-1, 1).to(device, non_blocking=True)
+
+        params = [row.params for _, row in drawn]
+        filters = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+        seeds = [row.seed % (1 << 64) for _, row in drawn]
+        return SamplingPlan(
+            sampled_rows=column([i for i, _ in drawn], torch.int64).view(-1) if drawn else None,
+            temperature=column([p.temperature for p in params], torch.float32),
+            top_k=column([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64) if filters else None,
+            top_p=column([p.top_p for p in params], torch.float32) if filters else None,
+            seed_lo=column([s & _MASK32 for s in seeds], torch.int64),
+            seed_hi=column([s >> 32 for s in seeds], torch.int64),
+            offset=column([row.offset & _MASK32 for _, row in drawn], torch.int64),
+        )
+
+
+def sample_tokens(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
+    """Next token of every row of ``logits`` [B, vocab], on the logits' device.
+
+    Greedy rows take the argmax. The others draw by the Gumbel-max trick with
+    noise that is a hash of (seed, offset, token id): a row's draw depends on
+    nothing else in the batch, a seeded request repeats exactly, and all rows
+    are sampled in one batched pass with no per-row host work.
+    """
+    tokens = logits.argmax(dim=-1)
+    if plan.sampled_rows is None:
+        return tokens
+    scaled = logits[plan.sampled_rows].float() / plan.temperature
+    noise = _gumbel(plan, scaled.shape[-1], scaled.device)
+    if plan.top_k is None or plan.top_p is None:
+        tokens[plan.sampled_rows] = (scaled + noise).argmax(dim=-1)
+        return tokens
+    # Filter in sorted order: rank < top_k, then the smallest prefix whose
+    # (top-k renormalised) mass reaches top_p; the top token always stays.
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(ordered.shape[-1], device=ordered.device)
+    ordered = ordered.masked_fill(rank >= plan.top_k, float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs) >= plan.top_p
+    drop[:, 0] = False  # a top_p that rounds to 0 in float32 must still leave the top token
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    choice = (ordered + noise.gather(1, order)).argmax(dim=-1, keepdim=True)
+    tokens[plan.sampled_rows] = order.gather(1, choice).view(-1)
+    return tokens
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, offset: int) -> int:
+    """One row's next token (the batched sampler on a batch of one)."""
+    plan = SamplingPlan.build([SamplingRow(params, seed, offset)], logits.shape[-1], logits.device)
+    return int(sample_tokens(logits.view(1, -1), plan)[0])
+
+
+# 32-bit lanes in int64 tensors: with multipliers below 2**31 no product
+# overflows, so the hash is exact on every device and in every dtype path.
+_MASK32 = (1 << 32) - 1
+_MIX_A, _MIX_B = 0x7FEB352D, 0x2C1B3C6D
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * _MIX_A) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MIX_B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _gumbel(plan: SamplingPlan, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Gumbel noise [S, vocab], a pure function of (seed, offset, token id)."""
+    key = _mix32(_mix32(_mix32(plan.seed_lo) ^ plan.seed_hi) ^ plan.offset)
+    token_ids = torch.arange(vocab_size, device=device, dtype=torch.int64)[None, :]
+    bits = _mix32(_mix32(token_ids ^ key) ^ ((key * 0x9E37) & _MASK32))
+    # 24 bits fit float32 exactly; +0.5 keeps u inside (0, 1).
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    return -torch.log(-torch.log(uniform))

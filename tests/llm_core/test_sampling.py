@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llm_core import LLM, SamplingParams
-from llm_core.sampling import sample_token
+from llm_core.sampling import SamplingPlan, SamplingRow, sample_token, sample_tokens
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +37,13 @@ def test_top_k_one_and_tiny_top_p_are_greedy(llm: LLM) -> None:
 
 def test_top_k_and_top_p_restrict_the_support() -> None:
     logits = torch.tensor([5.0, 4.0, 3.0, -1.0, -2.0])
-    gen = torch.Generator().manual_seed(0)
     top_k = SamplingParams(temperature=5.0, top_k=2)
-    assert {sample_token(logits, top_k, gen) for _ in range(200)} == {0, 1}
+    assert {sample_token(logits, top_k, 0, i) for i in range(200)} == {0, 1}
     # p ~ [.664, .244, .090, .002, .001]: the first two reach 0.9, three reach 0.95.
     top_p = SamplingParams(temperature=1.0, top_p=0.9)
-    assert {sample_token(logits, top_p, gen) for _ in range(400)} == {0, 1}
+    assert {sample_token(logits, top_p, 0, i) for i in range(400)} == {0, 1}
     top_p = SamplingParams(temperature=1.0, top_p=0.95)
-    assert {sample_token(logits, top_p, gen) for _ in range(400)} == {0, 1, 2}
+    assert {sample_token(logits, top_p, 0, i) for i in range(400)} == {0, 1, 2}
 
 
 def test_stop_tokens_and_eos(llm: LLM) -> None:
@@ -89,10 +88,9 @@ def test_edge_values_that_are_valid() -> None:
 
 def test_the_smallest_temperature_samples_finite_probabilities() -> None:
     logits = torch.tensor([80.0, 79.0, -50.0])
-    gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.01)
-    assert {sample_token(logits, params, gen) for _ in range(50)} == {0}
-    assert sample_token(logits.half(), params, gen) == 0  # low-precision logits are sampled in float32
+    assert {sample_token(logits, params, 0, i) for i in range(50)} == {0}
+    assert sample_token(logits.half(), params, 0, 0) == 0  # low-precision logits are sampled in float32
 
 
 def test_bad_prompts_are_rejected_with_reasons(llm: LLM) -> None:
@@ -108,5 +106,40 @@ def test_bad_prompts_are_rejected_with_reasons(llm: LLM) -> None:
 
 def test_a_top_p_below_float32_resolution_keeps_the_top_token() -> None:
     logits = torch.tensor([1.0, 3.0, 2.0])
-    gen = torch.Generator().manual_seed(0)
-    assert sample_token(logits, SamplingParams(temperature=1.0, top_p=5e-324), gen) == 1
+    assert sample_token(logits, SamplingParams(temperature=1.0, top_p=5e-324), 0, 0) == 1
+
+
+def test_draws_follow_the_distribution() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])
+    params = SamplingParams(temperature=1.0)
+    draws = torch.tensor([sample_token(logits, params, 7, i) for i in range(4000)])
+    freq = torch.bincount(draws, minlength=5).float() / len(draws)
+    assert torch.allclose(freq, logits.softmax(-1), atol=0.025), freq
+    hot = torch.tensor([sample_token(logits, SamplingParams(temperature=2.0), 7, i) for i in range(4000)])
+    assert torch.allclose(torch.bincount(hot, minlength=5).float() / 4000, (logits / 2).softmax(-1), atol=0.025)
+
+
+def test_a_row_draws_the_same_whatever_its_batch() -> None:
+    vocab = 50
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0), 1, 0),
+        SamplingRow(SamplingParams(temperature=0.7, seed=5), 5, 3),
+        SamplingRow(SamplingParams(temperature=1.3, top_k=4), 9, 0),
+        SamplingRow(SamplingParams(temperature=1.0, top_p=0.5), 11, 8),
+        SamplingRow(SamplingParams(temperature=1.0, top_k=10, top_p=0.9), 2**64 - 1, 1),
+        SamplingRow(SamplingParams(temperature=0.5, top_k=1), -5, 2),
+    ]
+    together = sample_tokens(logits.clone(), SamplingPlan.build(rows, vocab, "cpu")).tolist()
+    alone = [int(sample_tokens(logits[i : i + 1].clone(), SamplingPlan.build([row], vocab, "cpu"))[0])
+             for i, row in enumerate(rows)]
+    assert together == alone
+    assert together[0] == int(logits[0].argmax()) and together[5] == int(logits[5].argmax())
+    assert together[2] in logits[2].topk(4).indices.tolist()
+    # Another offset or seed is another draw (over many rows, not all equal).
+    many = SamplingRow(SamplingParams(temperature=5.0), 3, 0)
+    flat = torch.zeros(64, vocab)
+    base = sample_tokens(flat.clone(), SamplingPlan.build([many] * 64, vocab, "cpu"))
+    assert len(set(base.tolist())) == 1  # same seed and offset: same draw in every row
+    shifted = [SamplingRow(many.params, 3, i) for i in range(64)]
+    assert len(set(sample_tokens(flat.clone(), SamplingPlan.build(shifted, vocab, "cpu")).tolist())) > 20
