@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 
+from llm_core.block_table import BlockTable
 from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool, SWAMode
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.multimodal import MultimodalSpan, check_spans, with_cache_tokens
@@ -125,6 +126,8 @@ class Engine:
             config.swa_mode,
         )
         self.kv = KVCacheTensors(mc, self.allocator.full.capacity, self.allocator.swa.capacity, dtype, device)
+        longest = min(mc.max_position_embeddings, self.allocator.full.capacity)
+        self.block_table = BlockTable(-(-longest // config.page_size), device, config.max_running_requests)
         self.cache = RadixCache(self.allocator, config.checkpoint_interval) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator,
@@ -146,6 +149,12 @@ class Engine:
             raise ValueError(
                 f"prompt of {num_prompt_tokens} tokens plus max_tokens={max_tokens} needs more KV "
                 f"memory than the pool holds ({self.allocator.full.capacity} tokens)"
+            )
+        longest = self.block_table.width * self.allocator.full.page_size
+        if num_prompt_tokens + max_tokens > longest:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens plus max_tokens={max_tokens} is longer than "
+                f"a sequence may be ({longest} tokens)"
             )
 
     def add_request(
@@ -271,24 +280,27 @@ class Engine:
         return TokenEvent(seq.request_id, -1, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The batch's forward. Its metadata costs O(batch + new tokens + W per
+        request): full-pool keys come through the block table, never as lists."""
         tokens: list[int] = []
         q_ranges: list[tuple[int, int]] = []
-        full_slots, full_write, swa_slots, swa_write, swa_first = [], [], [], [], []
+        full_write, swa_slots, swa_write, swa_first = [], [], [], []
         for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.length
             tokens.extend(seq.token_slice(start, end))
             q_ranges.append((start, chunk.length))
             view = seq.view
-            full_slots.append(page_slots(view.full_pages, 0, view.full_page_size, 0, end))
-            full_write.append(full_slots[-1][start:])
+            full_write.append(page_slots(view.full_pages, 0, view.full_page_size, start, end))
             first = max(0, start - self.window + 1)
             swa_first.append(first)
             swa_slots.append(torch.tensor(view.swa_slots(first, end), dtype=torch.int64))
             swa_write.append(swa_slots[-1][start - first :])
-        full_batch = PagedBatch.build(q_ranges, full_slots, [0] * len(chunks), full_write, self.device)
+        rows = self.block_table.sync([(chunk.seq.request_id, chunk.seq.view) for chunk in chunks])
+        full_batch = PagedBatch.from_block_table(q_ranges, self.block_table.table, rows, torch.cat(full_write),
+                                                 self.allocator.full.page_size, self.device)
         swa_batch = PagedBatch.build(q_ranges, swa_slots, swa_first, swa_write, self.device)
         backend = PagedAttentionBackend(self.kv, full_batch, swa_batch, self.attention_fn)
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
         inputs_embeds = self._embed_with_spans(chunks, input_ids) if self._spans else None
         return self.model(input_ids, full_batch.q_pos, backend, inputs_embeds=inputs_embeds)
 
@@ -331,6 +343,7 @@ class Engine:
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        self.block_table.release(seq.request_id)
         del self._sampling[seq.request_id]
         del self._sequences[seq.request_id]
         self._spans.pop(seq.request_id, None)

@@ -87,6 +87,14 @@ class SequenceView:
     num_tokens: int = 0
     shared_full_pages: int = 0
     shared_swa_end: int = 0
+    # full_pages[:full_pages_synced] are as the engine last copied them into its
+    # device block table; it copies only the rest. Appending leaves it alone,
+    # anything that rewrites pages lowers it (see ``rewrote_full_pages``).
+    full_pages_synced: int = 0
+
+    def rewrote_full_pages(self, first: int) -> None:
+        """Pages from index ``first`` on were replaced or dropped."""
+        self.full_pages_synced = min(self.full_pages_synced, first)
 
     def swa_slots(self, start: int, end: int) -> list[int]:
         if start < self.swa_base or end > self.swa_end_pos:
@@ -178,6 +186,7 @@ class KVAllocator:
         self.full.release(view.full_pages[view.shared_full_pages :])
         self.swa.release(view.swa_ring[max(0, view.shared_swa_end - view.swa_base) :])
         view.full_pages = []
+        view.rewrote_full_pages(0)
         view.swa_ring = []
         view.swa_base = view.num_tokens = view.shared_full_pages = view.shared_swa_end = 0
 
@@ -186,6 +195,7 @@ class KVAllocator:
         keep_full = max(-(-new_len // self.full.page_size), view.shared_full_pages)
         self.full.release(view.full_pages[keep_full:])
         del view.full_pages[keep_full:]
+        view.rewrote_full_pages(keep_full)
         keep_swa = max(0, new_len - view.swa_base)
         self.swa.release(view.swa_ring[keep_swa:])
         del view.swa_ring[keep_swa:]

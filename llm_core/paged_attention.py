@@ -1,20 +1,34 @@
 """Attention over paged KV pools: batch metadata and the torch reference path.
 
-A forward batch is a flat list of query tokens from several requests. For
-each request the metadata lists, in position order, the pool slots of every
-key its queries may see (for SWA layers only the live window), and the
-position of the first of them: keys have consecutive positions.
+A forward batch is a flat list of query tokens from several requests. Each
+request's keys have consecutive positions from ``kv_first_pos``; key ``i`` is
+found through a page table: slot ``table[kv_start + i // page_size] *
+page_size + i % page_size``. For the SWA pool (one token per slot) the table
+is the concatenated slots of the live windows -- O(W) per request. For the
+full pool it is the engine's persistent block table, where a request's row
+starts at ``row * width``: building a step's metadata then costs O(batch)
+whatever the context length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from llm_core.attention import softmax_with_sinks, attention_reference
 from llm_core.config import AttentionSpec, ModelConfig
+
+
+@dataclass(frozen=True)
+class DecodeTables:
+    """Single-query requests' keys as one padded [B, L] table, for the torch path."""
+
+    rows: torch.Tensor  # [Bd] query row of each
+    slots: torch.Tensor  # [Bd, Lmax] int64, padded with slot 0
+    key_pos: torch.Tensor  # [Bd, Lmax] int64, -1 where padded
 
 
 @dataclass(frozen=True)
@@ -24,19 +38,15 @@ class PagedBatch:
     q_pos: torch.Tensor  # [T] int64, absolute position of each query
     q_start: torch.Tensor  # [B] int32, first query row of request b
     q_len: torch.Tensor  # [B] int32
-    kv_slots: torch.Tensor  # [N] int64, concatenated key slots per request
-    kv_start: torch.Tensor  # [B] int32, offset of request b in kv_slots
+    kv_table: torch.Tensor  # page ids (or slots, with page_size 1) that requests index from kv_start
+    kv_start: torch.Tensor  # [B] int32, offset of request b's first page in kv_table
     kv_len: torch.Tensor  # [B] int32
     kv_first_pos: torch.Tensor  # [B] int64, position of request b's first key
     write_slots: torch.Tensor  # [T] int64, slot where each query token's K/V is stored
+    page_size: int
     # Host copies of the per-request boundaries, so the torch path does not sync.
     q_bounds: tuple[tuple[int, int], ...]
-    kv_bounds: tuple[tuple[int, int, int], ...]  # (start, len, first_pos)
-    # Requests with a single query (decode), padded to one [B, L] slot table
-    # so the torch path attends for all of them at once.
-    decode_rows: torch.Tensor  # [Bd] query row of each
-    decode_slots: torch.Tensor  # [Bd, Lmax] int64, padded with slot 0
-    decode_key_pos: torch.Tensor  # [Bd, Lmax] int64, -1 where padded
+    kv_bounds: tuple[tuple[int, int, int], ...]  # (start in kv_table, len, first_pos)
 
     @staticmethod
     def build(
@@ -46,52 +56,103 @@ class PagedBatch:
         write_slot_lists: Sequence[Sequence[int] | torch.Tensor],
         device: torch.device | str,
     ) -> PagedBatch:
-        """q_ranges: per request (first query position, number of queries).
-        Slot lists may be host int64 tensors (cheap for long sequences)."""
+        """From explicit slot lists (page size 1). q_ranges: per request (first
+        query position, number of queries). Slot lists may be host int64 tensors."""
         kv = [torch.as_tensor(s, dtype=torch.int64) for s in kv_slot_lists]
         writes = [torch.as_tensor(s, dtype=torch.int64) for s in write_slot_lists]
-        q_bounds, kv_bounds = [], []
-        q_off = kv_off = 0
-        for (_, n), slots, first in zip(q_ranges, kv, kv_first_positions):
+        starts, offset = [], 0
+        for slots in kv:
+            starts.append(offset)
+            offset += len(slots)
+        return PagedBatch._assemble(
+            q_ranges, _cat(kv).to(device), starts, [len(slots) for slots in kv], kv_first_positions,
+            _cat(writes), 1, device,
+        )
+
+    @staticmethod
+    def from_block_table(
+        q_ranges: list[tuple[int, int]],
+        table: torch.Tensor,
+        rows: Sequence[int],
+        write_slots: torch.Tensor,
+        page_size: int,
+        device: torch.device | str,
+    ) -> PagedBatch:
+        """From the engine's [rows, width] block table: each request's keys are
+        positions [0, end of its queries)."""
+        width = table.shape[1]
+        return PagedBatch._assemble(
+            q_ranges, table.view(-1), [row * width for row in rows], [start + n for start, n in q_ranges],
+            [0] * len(q_ranges), write_slots, page_size, device,
+        )
+
+    @staticmethod
+    def _assemble(
+        q_ranges: list[tuple[int, int]],
+        kv_table: torch.Tensor,
+        kv_starts: list[int],
+        kv_lens: list[int],
+        kv_first_positions: list[int],
+        write_slots: torch.Tensor,
+        page_size: int,
+        device: torch.device | str,
+    ) -> PagedBatch:
+        q_bounds, q_off = [], 0
+        for _, n in q_ranges:
             q_bounds.append((q_off, n))
-            kv_bounds.append((kv_off, len(slots), first))
             q_off += n
-            kv_off += len(slots)
 
         def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
+            return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
         def i64(values: list[int] | torch.Tensor) -> torch.Tensor:
-            return torch.as_tensor(values, dtype=torch.int64).to(device)
+            return torch.as_tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
-        def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return i64(torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int64))
-
-        decode = [b for b, (_, n) in enumerate(q_ranges) if n == 1]
-        if decode:
-            decode_slots = torch.nn.utils.rnn.pad_sequence([kv[b] for b in decode], batch_first=True)
-            lengths = torch.tensor([len(kv[b]) for b in decode])
-            offsets = torch.arange(decode_slots.shape[1])
-            firsts = torch.tensor([kv_first_positions[b] for b in decode])
-            decode_key_pos = torch.where(offsets < lengths[:, None], firsts[:, None] + offsets, -1)
-        else:
-            decode_slots = decode_key_pos = torch.zeros(0, 0, dtype=torch.int64)
-        q_pos = [torch.arange(start, start + n) for start, n in q_ranges]
         return PagedBatch(
-            q_pos=cat(q_pos),
+            q_pos=i64(_cat([torch.arange(start, start + n) for start, n in q_ranges])),
             q_start=i32([b[0] for b in q_bounds]),
             q_len=i32([b[1] for b in q_bounds]),
-            kv_slots=cat(kv),
-            kv_start=i32([b[0] for b in kv_bounds]),
-            kv_len=i32([b[1] for b in kv_bounds]),
+            kv_table=kv_table,
+            kv_start=i32(kv_starts),
+            kv_len=i32(kv_lens),
             kv_first_pos=i64(kv_first_positions),
-            write_slots=cat(writes),
+            write_slots=i64(write_slots),
+            page_size=page_size,
             q_bounds=tuple(q_bounds),
-            kv_bounds=tuple(kv_bounds),
-            decode_rows=i64([q_bounds[b][0] for b in decode]),
-            decode_slots=i64(decode_slots),
-            decode_key_pos=i64(decode_key_pos),
+            kv_bounds=tuple(zip(kv_starts, kv_lens, kv_first_positions)),
         )
+
+    def key_slots(self, b: int) -> torch.Tensor:
+        """Slots of request b's keys in position order (int64, on the batch's device)."""
+        start, n, _ = self.kv_bounds[b]
+        if self.page_size == 1:
+            return self.kv_table[start : start + n].long()
+        pages = self.kv_table[start : start - (-n // self.page_size)].long()
+        offsets = torch.arange(self.page_size, device=pages.device)
+        return (pages[:, None] * self.page_size + offsets).flatten()[:n]
+
+    @cached_property
+    def decode(self) -> DecodeTables:
+        """Built on first use only (the torch path), once per step for all layers."""
+        device = self.kv_table.device
+        decode = [b for b, (_, n) in enumerate(self.q_bounds) if n == 1]
+        if not decode:
+            empty = torch.zeros(0, 0, dtype=torch.int64, device=device)
+            return DecodeTables(torch.zeros(0, dtype=torch.int64, device=device), empty, empty)
+        index = torch.tensor(decode, device=device)
+        longest = max(self.kv_bounds[b][1] for b in decode)
+        key = torch.arange(longest, device=device)
+        lens = self.kv_len[index].long()[:, None]
+        valid = key < lens
+        entry = self.kv_start[index].long()[:, None] + key // self.page_size
+        pages = self.kv_table[torch.where(valid, entry, 0)].long()
+        slots = torch.where(valid, pages * self.page_size + key % self.page_size, 0)
+        key_pos = torch.where(valid, self.kv_first_pos[index][:, None] + key, -1)
+        return DecodeTables(torch.tensor([self.q_bounds[b][0] for b in decode], device=device), slots, key_pos)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int64)
 
 
 def paged_attention_torch(
@@ -109,14 +170,14 @@ def paged_attention_torch(
     request at a time.
     """
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    if batch.decode_rows.numel():
-        out[batch.decode_rows] = _decode_attention_torch(
-            q[batch.decode_rows], k_cache, v_cache, batch, sliding_window, sinks
-        )
-    for (q0, nq), (k0, nk, first) in zip(batch.q_bounds, batch.kv_bounds):
+    decode = batch.decode
+    if decode.rows.numel():
+        out[decode.rows] = _decode_attention_torch(q[decode.rows], k_cache, v_cache, batch, decode, sliding_window,
+                                                   sinks)
+    for b, ((q0, nq), (_, nk, first)) in enumerate(zip(batch.q_bounds, batch.kv_bounds)):
         if nq == 1:
             continue
-        slots = batch.kv_slots[k0 : k0 + nk]
+        slots = batch.key_slots(b)
         k_pos = torch.arange(first, first + nk, device=q.device)
         out[q0 : q0 + nq] = attention_reference(
             q[q0 : q0 + nq], k_cache[slots], v_cache[slots], batch.q_pos[q0 : q0 + nq], k_pos, sliding_window, sinks
@@ -129,21 +190,20 @@ def _decode_attention_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: PagedBatch,
+    decode: DecodeTables,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
-    keys = k_cache[batch.decode_slots]  # [B, L, Hkv, D]
+    keys = k_cache[decode.slots]  # [B, L, Hkv, D]
     # Padding reads slot 0, which may hold anything: zero it so 0 * value stays 0.
-    values = v_cache[batch.decode_slots].masked_fill(
-        (batch.decode_key_pos < 0)[:, :, None, None], 0.0
-    )  # [B, L, Hkv, Dv]
+    values = v_cache[decode.slots].masked_fill((decode.key_pos < 0)[:, :, None, None], 0.0)  # [B, L, Hkv, Dv]
     qg = q.view(b, hkv, group, d)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * d**-0.5
-    q_pos = batch.q_pos[batch.decode_rows][:, None]
-    key_pos = batch.decode_key_pos
+    q_pos = batch.q_pos[decode.rows][:, None]
+    key_pos = decode.key_pos
     visible = (key_pos >= 0) & (key_pos <= q_pos)
     if sliding_window is not None:
         visible &= (q_pos - key_pos) < sliding_window

@@ -152,6 +152,7 @@ class RadixCache:
         e = match.length
         window = self._window_nodes(match.nodes, e)
         view.full_pages = [n.full_page for n in match.nodes]
+        view.rewrote_full_pages(0)
         view.shared_full_pages = len(match.nodes)
         view.swa_base = self.window_start(e)
         view.swa_ring = [slot for n, need in window for slot in n.swa[len(n.swa) - need :]]  # type: ignore[index]
@@ -212,6 +213,7 @@ class RadixCache:
                 # Another request cached this page first: read its copy, free ours.
                 self.allocator.full.release([view.full_pages[i]])
                 view.full_pages[i] = child.full_page
+                view.rewrote_full_pages(i)
             path.append(child)
             node = child
         view.shared_full_pages = max(view.shared_full_pages, pages)

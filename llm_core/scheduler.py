@@ -118,6 +118,9 @@ class Scheduler:
             seq = self.waiting[0]
             chunk = self._prefill_chunk(seq, budget)
             if chunk is None:
+                # Not admitted: it must not pin the cached prefix it matched, or
+                # the running requests could not evict those pages to grow.
+                self._unpin(seq)
                 break
             self.waiting.popleft()
             self.running.append(seq)
@@ -172,6 +175,11 @@ class Scheduler:
                 return False
         self.allocator.grow(seq.view, new_len)
         return True
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.cache_lock is not None:
+            self._release_kv(seq, insert=False)
+            seq.num_computed = 0
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running request's KV; it recomputes prompt + output later

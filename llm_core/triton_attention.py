@@ -1,8 +1,9 @@
 """Triton kernels for attention over paged KV pools.
 
 Same contract as ``paged_attention_torch``: each request's keys are gathered
-from the pool through ``PagedBatch.kv_slots`` inside the kernel, so no
-[keys, heads, dim] copy is ever materialised. One flash-attention style
+from the pool through its page table (``PagedBatch.kv_table``, page size 1
+for the SWA pool's slot lists) inside the kernel, so no [keys, heads, dim]
+copy is ever materialised. One flash-attention style
 kernel serves both prefill/extend and decode; what changes is how the rows of
 a program's query tile are laid out:
 
@@ -44,7 +45,7 @@ def _attend_block(
     acc,
     K,
     V,
-    kv_slots_ptr,
+    kv_table_ptr,
     kv_start,
     kv_head,
     first_pos,
@@ -64,6 +65,7 @@ def _attend_block(
     HAS_WINDOW: tl.constexpr,
     USE_DOT: tl.constexpr,
     F32_DOT: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     """One key block [n0, n0 + BLOCK_N) of the online softmax; returns the new
     (max, denominator, accumulator)."""
@@ -71,7 +73,11 @@ def _attend_block(
     dv = tl.arange(0, BLOCK_DV)
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < hi
-    slots = tl.load(kv_slots_ptr + kv_start + n, mask=n_ok, other=0)
+    if PAGE == 1:
+        slots = tl.load(kv_table_ptr + kv_start + n, mask=n_ok, other=0).to(tl.int64)
+    else:
+        pages = tl.load(kv_table_ptr + kv_start + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        slots = pages * PAGE + n % PAGE
     k = tl.load(
         K + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
         mask=n_ok[:, None] & (d[None, :] < D),
@@ -127,7 +133,7 @@ def _paged_attention_kernel(
     q_pos_ptr,
     q_start_ptr,
     q_len_ptr,
-    kv_slots_ptr,
+    kv_table_ptr,
     kv_start_ptr,
     kv_len_ptr,
     kv_first_pos_ptr,
@@ -157,6 +163,7 @@ def _paged_attention_kernel(
     # interpreter, whose tl.dot misreads bfloat16 operands.
     F32_DOT: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PAGE: tl.constexpr,  # keys per page-table entry (1: the table lists slots)
 ):
     b = tl.program_id(0)
     head_base = tl.program_id(1) * HEADS_PER_PROG
@@ -216,17 +223,17 @@ def _paged_attention_kernel(
         n0 = lo
         while n0 < hi:
             m_i, l_i, acc = _attend_block(
-                q, qpos, row_ok, m_i, l_i, acc, K, V, kv_slots_ptr, kv_start, kv_head, first_pos, n0, hi,
+                q, qpos, row_ok, m_i, l_i, acc, K, V, kv_table_ptr, kv_start, kv_head, first_pos, n0, hi,
                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, window,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_WINDOW, USE_DOT, F32_DOT,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_WINDOW, USE_DOT, F32_DOT, PAGE,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                q, qpos, row_ok, m_i, l_i, acc, K, V, kv_slots_ptr, kv_start, kv_head, first_pos, n0, hi,
+                q, qpos, row_ok, m_i, l_i, acc, K, V, kv_table_ptr, kv_start, kv_head, first_pos, n0, hi,
                 stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, window,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_WINDOW, USE_DOT, F32_DOT,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_WINDOW, USE_DOT, F32_DOT, PAGE,
             )  # fmt: skip
 
     out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows have l = 0
@@ -283,7 +290,7 @@ def _launch(
         batch.q_pos,
         batch.q_start,
         batch.q_len,
-        batch.kv_slots,
+        batch.kv_table,
         batch.kv_start,
         batch.kv_len,
         batch.kv_first_pos,
@@ -311,6 +318,7 @@ def _launch(
         USE_DOT=use_dot,
         F32_DOT=q.dtype == torch.float32 or _interpreting(),
         INTERPRET=_interpreting(),
+        PAGE=batch.page_size,
         **extra,
     )
     return out

@@ -89,3 +89,22 @@ def test_aborted_request_leaves_what_it_computed(hf_checkpoint: Path, hf_greedy)
     stats = on.stats()
     assert stats["full_pool"]["free_tokens"] == stats["full_pool"]["capacity_tokens"]
     assert stats["swa_pool"]["free_tokens"] == stats["swa_pool"]["capacity_tokens"]
+
+
+def test_a_waiting_request_does_not_pin_cached_pages_the_running_ones_need(tiny_checkpoint: Path) -> None:
+    # A pool this small only works if the waiting head, having matched the shared
+    # prefix, lets go of it while it cannot be admitted: before, it pinned those
+    # pages and the running requests ran out of room ("needs more KV memory").
+    llm = LLM(tiny_checkpoint, kv_budget_bytes=512 << 10, page_size=4, chunked_prefill_size=8,
+              max_running_requests=4, checkpoint_interval=8)
+    shared = list(range(20, 52))
+    prompts = [shared + list(range(60 + i, 64 + 3 * i)) for i in range(6)] + [list(range(5, 40))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(tiny_checkpoint, enable_prefix_caching=False).generate(prompts, params)]
+    for _ in range(2):
+        outputs = llm.generate(prompts, params)
+        assert [o.finish_reason for o in outputs] == ["length"] * len(prompts)
+        assert [o.token_ids for o in outputs] == expected
+    llm.flush_cache()
+    stats = llm.stats()
+    assert stats["full_pool"]["free_tokens"] == stats["full_pool"]["capacity_tokens"]

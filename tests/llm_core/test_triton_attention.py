@@ -94,7 +94,7 @@ def make_case(
     )
     k_cache = torch.full((n_slots, hkv, d), float("nan"))
     v_cache = torch.full((n_slots, hkv, dv), float("nan"))
-    used = batch.kv_slots.cpu()
+    used = batch.kv_table.cpu()
     k_cache[used] = torch.randn(len(used), hkv, d, generator=gen)
     v_cache[used] = torch.randn(len(used), hkv, dv, generator=gen)
     q = torch.randn(sum(n for _, _, n in requests), hq, d, generator=gen)
@@ -156,6 +156,58 @@ def test_extend_handles_decode_rows_and_strided_q(ta: ModuleType) -> None:
     q_view = wide[..., ::2]  # last dim not contiguous
     ref = paged_attention_torch(q, k_cache, v_cache, batch, 9, sinks)
     check(ta.extend_attention_triton(q_view, k_cache, v_cache, batch, 9, sinks), ref, torch.float32)
+
+
+def make_block_table_case(
+    requests: list[tuple[int, int]], page_size: int, device: str, seed: int = 0
+) -> tuple[PagedBatch, PagedBatch, int]:
+    """The same keys addressed two ways: through a [rows, width] block table of
+    shuffled pages (full layers), and as explicit slot lists. requests: (first
+    query position, number of queries); keys start at position 0."""
+    rng = random.Random(seed)
+    width = max(-(-(q0 + n) // page_size) for q0, n in requests) + 1
+    n_pages = sum(-(-(q0 + n) // page_size) for q0, n in requests) + 3
+    free_pages = list(range(n_pages))
+    rng.shuffle(free_pages)
+    table = torch.zeros(len(requests) + 2, width, dtype=torch.int32)
+    rows = rng.sample(range(table.shape[0]), len(requests))
+    slot_lists, writes = [], []
+    for (q0, n), row in zip(requests, rows):
+        used = -(-(q0 + n) // page_size)
+        pages, free_pages = free_pages[:used], free_pages[used:]
+        table[row, :used] = torch.tensor(pages, dtype=torch.int32)
+        slots = [pages[i // page_size] * page_size + i % page_size for i in range(q0 + n)]
+        slot_lists.append(slots)
+        writes.append(slots[q0:])
+    q_ranges = list(requests)
+    write_slots = torch.tensor([s for w in writes for s in w], dtype=torch.int64)
+    paged = PagedBatch.from_block_table(q_ranges, table.to(device), rows, write_slots, page_size, device)
+    listed = PagedBatch.build(q_ranges, slot_lists, [0] * len(requests), writes, device)
+    return paged, listed, n_pages * page_size
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_block_table_batches_attend_like_slot_lists(ta: ModuleType, window: int | None) -> None:
+    requests = [(20, 1), (12, 5), (0, 37), (30, 37), (3, 1), (41, 1)]
+    paged, listed, n_slots = make_block_table_case(requests, 4, DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(n for _, n in requests), 4, 16, generator=gen).to(DEVICE)
+    k_cache = torch.randn(n_slots, 1, 16, generator=gen).to(DEVICE)
+    v_cache = torch.randn(n_slots, 1, 16, generator=gen).to(DEVICE)
+    sinks = torch.randn(4, generator=gen).to(DEVICE)
+    assert torch.equal(paged.write_slots, listed.write_slots)
+    for b in range(len(requests)):
+        assert torch.equal(paged.key_slots(b), listed.key_slots(b))
+    assert torch.equal(paged.decode.slots, listed.decode.slots)
+    assert torch.equal(paged.decode.key_pos, listed.decode.key_pos)
+    ref = paged_attention_torch(q, k_cache, v_cache, listed, window, sinks)
+    torch.testing.assert_close(paged_attention_torch(q, k_cache, v_cache, paged, window, sinks), ref)
+    check(ta.paged_attention_triton(q, k_cache, v_cache, paged, window, sinks), ref, torch.float32)
+    decode = [i for i, (_, n) in enumerate(requests) if n == 1]
+    paged, listed, _ = make_block_table_case([requests[i] for i in decode], 4, DEVICE)
+    q_dec = q[: len(decode)]
+    ref = paged_attention_torch(q_dec, k_cache, v_cache, listed, window, sinks)
+    check(ta.decode_attention_triton(q_dec, k_cache, v_cache, paged, window, sinks), ref, torch.float32)
 
 
 def test_empty_batch(ta: ModuleType) -> None:
