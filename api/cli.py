@@ -147,6 +147,10 @@ def _bench(args: argparse.Namespace) -> int:
         result = _bench_prefix_cache(args)
     elif args.name == "load":
         result = _bench_load(args)
+    elif args.name == "step":
+        from llm_core.bench.step import step_bench
+
+        result = step_bench(running=args.running, steps=args.steps, preset=args.preset)
     elif args.name == "video":
         from media.bench_video import video_bench
 
@@ -255,9 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     video_qa.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
-    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load"])
+    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
-    bench.add_argument("--preset", default="mimo-v2-flash", help="kv: model shape")
+    bench.add_argument("--preset", default="mimo-v2-flash", help="kv, step: model shape")
+    bench.add_argument("--running", type=int, default=64, help="step: running requests")
+    bench.add_argument("--steps", type=int, default=50, help="step: decode steps timed per context")
     bench.add_argument("--context", type=int, default=131072, help="kv: tokens per request")
     bench.add_argument("--kv-budget-gib", type=float, default=8192.0, help="kv: KV memory budget")
     bench.add_argument("--page-size", type=int, default=16, help="kv: full-pool page size")

@@ -65,6 +65,14 @@ class EngineFault(RuntimeError):
 
 
 @dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    backend: PagedAttentionBackend
+    inputs_embeds: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class _Sampling:
     params: SamplingParams
     stop_ids: frozenset[int]
@@ -280,8 +288,12 @@ class Engine:
         return TokenEvent(seq.request_id, -1, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """The batch's forward. Its metadata costs O(batch + new tokens + W per
-        request): full-pool keys come through the block table, never as lists."""
+        step = self.prepare_step(chunks)
+        return self.model(step.input_ids, step.positions, step.backend, inputs_embeds=step.inputs_embeds)
+
+    def prepare_step(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """Everything the forward needs, at O(batch + new tokens + W per request)
+        host cost: full-pool keys come through the block table, never as lists."""
         tokens: list[int] = []
         q_ranges: list[tuple[int, int]] = []
         full_write, swa_slots, swa_write, swa_first = [], [], [], []
@@ -302,7 +314,7 @@ class Engine:
         backend = PagedAttentionBackend(self.kv, full_batch, swa_batch, self.attention_fn)
         input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
         inputs_embeds = self._embed_with_spans(chunks, input_ids) if self._spans else None
-        return self.model(input_ids, full_batch.q_pos, backend, inputs_embeds=inputs_embeds)
+        return StepInputs(input_ids, full_batch.q_pos, backend, inputs_embeds)
 
     def _embed_with_spans(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor) -> torch.Tensor | None:
         """Token embeddings of the batch with every span position's row taken
