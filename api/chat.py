@@ -49,6 +49,12 @@ _ROLES = ("system", "user", "assistant")
 # limit, whose message would speak to the server's operator rather than to the client.
 _MAX_INT_DIGITS = 1000
 
+# Every generated token searches the new text plus the longest stop string's
+# length for every stop string, on the engine thread: both must stay small
+# (OpenAI takes 4 strings).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
 # The media kind each media part type stands for, and back.
 _PART_KINDS = {"image_url": "image", "video_url": "video", "input_audio": "audio"}
 _KIND_PARTS = {kind: part for part, kind in _PART_KINDS.items()}
@@ -184,7 +190,9 @@ def parse_stop(stop: Any) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise BadRequest("'stop' must be a non-empty string or a list of them")
-    return tuple(stops)
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise BadRequest(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
+    return tuple(require_unicode(s, "'stop'") for s in stops)
 
 
 def _int(value: Any, name: str) -> int:

@@ -5,6 +5,11 @@ one thread owns it: it takes commands (add, abort) from a queue, steps while
 any request is unfinished, and hands each token to the waiting coroutine with
 ``call_soon_threadsafe``. The event loop never runs engine code.
 
+A request may bring a detokenizer (anything with ``push(token, final)`` and
+``stopped``): the engine thread then turns each token into its text delta before
+posting it, so decoding never holds up the event loop's I/O for other requests,
+and a stop string found in the text ends the request in the engine at once.
+
 A coroutine that stops listening -- the client disconnected, the stream was
 cancelled -- aborts its request, which frees its KV at the next command drain.
 
@@ -24,12 +29,15 @@ import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from llm_core import LLM, MultimodalSpan, SamplingParams
 from llm_core.engine import TokenEvent
 
-__all__ = ["AsyncEngine", "EngineOverloaded", "EngineUnavailable", "GenerationStats", "RequestFailed"]
+__all__ = [
+    "AsyncEngine", "Detokenizer", "EngineOverloaded", "EngineUnavailable", "GenerationStats", "RequestFailed",
+    "StreamEvent",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,24 @@ class EngineUnavailable(RuntimeError):
 _ADMITTED = object()
 
 
+class Detokenizer(Protocol):
+    """A request's text, advanced on the engine thread one token at a time."""
+
+    stopped: bool  # the text reached a stop string: the request ends here
+
+    def push(self, token: int, final: bool = False) -> str:
+        """The text delta for this token; ``final`` on the request's last one."""
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One generated token as a request's stream yields it."""
+
+    token: int
+    finish_reason: str | None  # on the last one: "stop" (a stop token or string) or "length"
+    text: str = ""  # the text delta, when the request brought a detokenizer
+
+
 @dataclass
 class GenerationStats:
     """Timing of one request, for metrics."""
@@ -64,7 +90,8 @@ class GenerationStats:
 @dataclass
 class _Handle:
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue[Any]  # _ADMITTED, then TokenEvents; or an exception
+    events: asyncio.Queue[Any]  # _ADMITTED, then StreamEvents; or an exception
+    text: Detokenizer | None = None  # touched on the engine thread only, once admitted
     request_id: int | None = None
     finished: bool = False
 
@@ -122,22 +149,31 @@ class AsyncEngine:
         return self._stats
 
     async def open(
-        self, prompt_ids: list[int], params: SamplingParams, spans: Sequence[MultimodalSpan] = ()
-    ) -> AsyncGenerator[TokenEvent, None]:
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spans: Sequence[MultimodalSpan] = (),
+        text: Detokenizer | None = None,
+    ) -> AsyncGenerator[StreamEvent, None]:
         """Admit a request and return its token stream. Everything the engine checks
         (lengths, KV pool, spans, vocabulary) is refused here, as ``ValueError``,
         before any token -- so a server can still answer it with a 400. Closing
         the stream early (or cancelling the task reading it) aborts the request
-        and frees its KV."""
-        stream = self._stream(prompt_ids, params, spans)
+        and frees its KV. ``text`` is the request's detokenizer, from then on used
+        by the engine thread alone."""
+        stream = self._stream(prompt_ids, params, spans, text)
         await stream.__anext__()  # the admission; from here the stream is started, so closing it aborts
-        return stream  # type: ignore[return-value]  # yields only TokenEvents from now on
+        return stream  # type: ignore[return-value]  # yields only StreamEvents from now on
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, spans: Sequence[MultimodalSpan] = ()
-    ) -> AsyncIterator[TokenEvent]:
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spans: Sequence[MultimodalSpan] = (),
+        text: Detokenizer | None = None,
+    ) -> AsyncIterator[StreamEvent]:
         """Tokens as they are sampled (``open`` and iterate, in one)."""
-        stream = await self.open(prompt_ids, params, spans)
+        stream = await self.open(prompt_ids, params, spans, text)
         try:
             async for event in stream:
                 yield event
@@ -156,11 +192,15 @@ class AsyncEngine:
         return await done
 
     async def _stream(
-        self, prompt_ids: list[int], params: SamplingParams, spans: Sequence[MultimodalSpan]
-    ) -> AsyncGenerator[TokenEvent | None, None]:
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spans: Sequence[MultimodalSpan],
+        text: Detokenizer | None,
+    ) -> AsyncGenerator[StreamEvent | None, None]:
         if self._pending >= self.max_pending:
             raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
-        handle = _Handle(asyncio.get_running_loop(), asyncio.Queue())
+        handle = _Handle(asyncio.get_running_loop(), asyncio.Queue(), text)
         self._pending += 1
         self._send(_Add(handle, prompt_ids, params, tuple(spans)))
         try:
@@ -172,9 +212,6 @@ class AsyncEngine:
                 if item is _ADMITTED:
                     yield None
                     continue
-                if item.error is not None:
-                    handle.finished = True
-                    raise RequestFailed(f"the request failed while generating: {item.error}")
                 yield item
                 if item.finish_reason is not None:
                     handle.finished = True
@@ -204,14 +241,13 @@ class AsyncEngine:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
-                events = self.llm.step()
+                for event in self.llm.step():
+                    self._deliver(event)  # inside: a stop string's abort is engine work too
             except Exception as exc:  # noqa: BLE001 - no request explains it: start over
                 log.exception("engine step failed; every request in flight is lost and the engine is rebuilt")
                 self._fail_all(EngineUnavailable(f"the engine failed ({type(exc).__name__}: {exc}); retry"))
                 self._restart()
                 continue
-            for event in events:
-                self._deliver(event)
             self._publish_stats(force=False)
 
     def _drain(self) -> bool:
@@ -264,9 +300,27 @@ class AsyncEngine:
         handle = self._live.get(event.request_id)
         if handle is None:
             return
-        if event.finish_reason is not None:
+        item = self._outcome(handle, event)
+        if isinstance(item, BaseException) or item.finish_reason is not None:
             del self._live[event.request_id]
-        self._post(handle, event)
+            if event.finish_reason is None:  # ended by its text: free its KV now, before the next step
+                self.llm.abort(event.request_id)
+        self._post(handle, item)
+
+    @staticmethod
+    def _outcome(handle: _Handle, event: TokenEvent) -> StreamEvent | RequestFailed:
+        """What the request's stream gets for this event: the token with its text,
+        or the request's failure."""
+        if event.error is not None:
+            return RequestFailed(f"the request failed while generating: {event.error}")
+        if handle.text is None:
+            return StreamEvent(event.token, event.finish_reason)
+        try:
+            delta = handle.text.push(event.token, final=event.finish_reason is not None)
+        except Exception as exc:  # noqa: BLE001 - this request's problem: the engine thread goes on
+            log.exception("decoding the text of request %d failed", event.request_id)
+            return RequestFailed(f"the request's text could not be decoded: {type(exc).__name__}: {exc}")
+        return StreamEvent(event.token, "stop" if handle.text.stopped else event.finish_reason, delta)
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid, handle in list(self._live.items()):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from api.chat import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from llm_core.sampling import MAX_SEED, MAX_TEMPERATURE, MIN_SEED, MIN_TEMPERATURE
 
 __all__ = ["CHAT_EXAMPLES", "COMPLETION_EXAMPLES", "OPENAPI_VERSION", "openapi_document"]
@@ -368,8 +369,9 @@ def _sampling_properties(vocab_size: int, max_model_len: int, token_id: Schema) 
         "seed": _nullable(_int_range(MIN_SEED, MAX_SEED)),
         "stop": {
             "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "items": {"type": "string", "minLength": 1}},
+                {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                 "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
                 {"type": "null"},
             ],
         },

@@ -33,7 +33,7 @@ from api.chat import (
     BadRequest, ChatRequest, MediaRef, UnsupportedMedia, parse_bool, parse_chat_request, parse_include_usage,
     parse_json_body, parse_sampling, parse_stop, require_unicode,
 )
-from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed
+from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
 from api.metrics import ServerMetrics
 from api.openapi import openapi_document
 from api.runtime import ServingModel
@@ -44,7 +44,6 @@ from api.uploads import (
 from embedding_cache import Embedding
 from encoders import EncoderQueueFull
 from llm_core import MultimodalSpan, SamplingParams
-from llm_core.engine import TokenEvent
 from llm_core.chat import ChatTemplateError, MediaPart, build_chat_prompt
 from media import MediaError, has_audio_track
 
@@ -151,10 +150,6 @@ class ChatService:
         self.model = model
         self.metrics = metrics
 
-    def _decode(self, ids: list[int]) -> str:
-        tokenizer = self.model.llm.tokenizer
-        return "" if tokenizer is None else tokenizer.decode(ids)
-
     async def embed(self, ref: MediaRef) -> Embedding:
         embedder = self.model.embedder
         if ref.kind not in self.model.media_kinds or embedder is None:
@@ -215,37 +210,41 @@ class ChatService:
             out_messages.append({**message, "content": parts})
         return out_messages, out_refs
 
-    async def open(self, prompt_ids: list[int], params: SamplingParams, spans: list[MultimodalSpan]) -> Generation:
+    async def open(
+        self, prompt_ids: list[int], params: SamplingParams, spans: list[MultimodalSpan], stop: tuple[str, ...] = ()
+    ) -> Generation:
         """Admit a request to the engine: whatever it refuses is raised here, before
-        the response starts (so it can still be a 400)."""
+        the response starts (so it can still be a 400). The engine thread
+        detokenizes it and ends it at a stop string."""
         started = time.perf_counter()
-        stream = await self.model.engine.open(prompt_ids, params, spans)
+        tokenizer = self.model.llm.tokenizer
+        text = None if tokenizer is None else TextStream(tokenizer.stream_decoder(), stop)
+        stream = await self.model.engine.open(prompt_ids, params, spans, text)
         return Generation(stream, len(prompt_ids), started)
 
-    async def tokens(self, gen: Generation, stops: tuple[str, ...]) -> AsyncIterator[tuple[str, str | None, list[int]]]:
+    async def tokens(self, gen: Generation) -> AsyncIterator[tuple[str, str | None, list[int]]]:
         """(text delta, finish reason or None, the tokens so far), with timing metrics."""
-        text = TextStream(self._decode, stops)
+        tokens: list[int] = []
         last = gen.started
         try:
             async for event in gen.stream:
                 now = time.perf_counter()
-                if not text.tokens:
+                if not tokens:
                     self.metrics.observe_ttft(now - gen.started)
                 else:
                     self.metrics.observe_inter_token(now - last)
                 last = now
-                delta = text.push(event.token, final=event.finish_reason is not None)
-                finish = "stop" if text.stopped else event.finish_reason
-                yield delta, finish, text.tokens
-                if finish is not None:
-                    self.metrics.count_tokens(gen.num_prompt_tokens, len(text.tokens))
+                tokens.append(event.token)
+                yield event.text, event.finish_reason, tokens
+                if event.finish_reason is not None:
+                    self.metrics.count_tokens(gen.num_prompt_tokens, len(tokens))
                     return
         finally:
-            await gen.stream.aclose()  # a stop string ends it early: abort at once, not at GC
+            await gen.stream.aclose()  # a reader that stops early aborts the request at once, not at GC
 
     async def complete(self, request: ChatRequest, gen: Generation) -> dict:
         content, finish, tokens = "", None, []
-        async for delta, finish, tokens in self.tokens(gen, request.stop):
+        async for delta, finish, tokens in self.tokens(gen):
             content += delta
         n = len(tokens)
         return _chat_envelope(self.model.name, "chat.completion") | {
@@ -266,7 +265,7 @@ class ChatService:
         yield _sse(envelope | {"choices": [first]})
         tokens: list[int] = []
         try:
-            async for delta, finish, tokens in self.tokens(gen, request.stop):
+            async for delta, finish, tokens in self.tokens(gen):
                 if not delta and finish is None:
                     continue
                 choice = {"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish,
@@ -283,7 +282,7 @@ class ChatService:
 class Generation:
     """A request the engine has admitted: its token stream and when it was sent."""
 
-    stream: AsyncGenerator[TokenEvent, None]
+    stream: AsyncGenerator[StreamEvent, None]
     num_prompt_tokens: int
     started: float
 
@@ -379,27 +378,27 @@ class CompletionService:
             self.llm.check_length(len(ids), params.max_tokens)
         return prompts, params, stop, parse_bool(body, "stream"), parse_include_usage(body, default=False)
 
-    async def open(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    async def open(self, prompts: list[list[int]], params: SamplingParams, stop: tuple[str, ...]) -> list[Generation]:
         """Admit every prompt, or none: one refused closes those already admitted."""
         opened: list[Generation] = []
         try:
             for ids in prompts:
-                opened.append(await self.chat.open(ids, params, []))
+                opened.append(await self.chat.open(ids, params, [], stop))
         except BaseException:
             for gen in opened:
                 await gen.stream.aclose()
             raise
         return opened
 
-    async def _one(self, gen: Generation, stop: tuple[str, ...]) -> dict[str, Any]:
+    async def _one(self, gen: Generation) -> dict[str, Any]:
         text, finish, tokens = "", None, []
-        async for delta, finish, tokens in self.chat.tokens(gen, stop):
+        async for delta, finish, tokens in self.chat.tokens(gen):
             text += delta
         return {"text": text, "finish_reason": finish, "token_ids": list(tokens)}
 
-    async def complete(self, gens: list[Generation], stop: tuple[str, ...]) -> dict:
+    async def complete(self, gens: list[Generation]) -> dict:
         try:
-            results = await _gather_or_cancel([self._one(gen, stop) for gen in gens])
+            results = await _gather_or_cancel([self._one(gen) for gen in gens])
         finally:
             for gen in gens:  # one failed: the others' work is this client's, and it gets an error
                 await gen.stream.aclose()
@@ -414,12 +413,12 @@ class CompletionService:
             "usage": _usage(sum(gen.num_prompt_tokens for gen in gens), total),
         }
 
-    async def stream(self, gens: list[Generation], stop: tuple[str, ...], include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, gens: list[Generation], include_usage: bool) -> AsyncIterator[str]:
         queue: asyncio.Queue[tuple[int, str, str | None, list[int]] | None] = asyncio.Queue()
 
         async def pump(i: int, gen: Generation) -> None:
             sent = 0
-            async for delta, finish, tokens in self.chat.tokens(gen, stop):
+            async for delta, finish, tokens in self.chat.tokens(gen):
                 if delta or finish is not None:
                     await queue.put((i, delta, finish, tokens[sent:]))
                     sent = len(tokens)
@@ -514,7 +513,7 @@ def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Sta
             prompt_ids, spans = await _until_disconnected(request, chat.prompt(parsed))
             if form is not None:
                 form.cleanup()  # embedded: the spooled media are no longer needed
-            gen = await _until_disconnected(request, chat.open(prompt_ids, parsed.params, spans))
+            gen = await _until_disconnected(request, chat.open(prompt_ids, parsed.params, spans, parsed.stop))
             if parsed.stream:
                 return StreamingResponse(chat.stream(parsed, gen), media_type="text/event-stream")
             return JSONResponse(await _until_disconnected(request, chat.complete(parsed, gen)))
@@ -529,10 +528,10 @@ def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Sta
         async def handle() -> Response:
             body = await _read_json(request, _JSON_BODY_LIMIT)
             prompts, params, stop, stream, include_usage = completions.parse(body)
-            gens = await _until_disconnected(request, completions.open(prompts, params))
+            gens = await _until_disconnected(request, completions.open(prompts, params, stop))
             if stream:
-                return StreamingResponse(completions.stream(gens, stop, include_usage), media_type="text/event-stream")
-            return JSONResponse(await _until_disconnected(request, completions.complete(gens, stop)))
+                return StreamingResponse(completions.stream(gens, include_usage), media_type="text/event-stream")
+            return JSONResponse(await _until_disconnected(request, completions.complete(gens)))
 
         return await guarded(request, handle)
 

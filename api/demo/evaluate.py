@@ -63,8 +63,8 @@ class _Run:
 async def _answer(chat: ChatService, request: ChatRequest) -> _Run:
     prompt_ids, spans = await chat.prompt(request)
     text, tokens = "", []
-    gen = await chat.open(prompt_ids, request.params, spans)
-    async for delta, _, tokens in chat.tokens(gen, request.stop):
+    gen = await chat.open(prompt_ids, request.params, spans, request.stop)
+    async for delta, _, tokens in chat.tokens(gen):
         text += delta
     return _Run(text.strip(), prompt_ids, list(tokens), spans)
 

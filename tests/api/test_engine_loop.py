@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from api.engine_loop import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed
+from api.textstream import TextStream
 from llm_core import LLM, SamplingParams
 
 
@@ -210,5 +212,37 @@ def test_flush_cache_runs_on_the_engine_thread(tiny_checkpoint: Path) -> None:
         stats = _run(main())
         assert stats["prefix_cache"]["nodes"] <= 1  # only the root is left
         assert stats["full_pool"]["free_tokens"] == stats["full_pool"]["capacity_tokens"]
+    finally:
+        engine.close()
+
+
+def test_text_is_decoded_on_the_engine_thread_and_a_stop_string_ends_the_request_there(
+    tiny_checkpoint: Path,
+) -> None:
+    llm = LLM(tiny_checkpoint, enable_prefix_caching=False)
+    prompt, params = list(range(5, 30)), SamplingParams(max_tokens=60, ignore_eos=True)
+    free = llm.generate([prompt], params)[0]
+    stop = llm.tokenizer.decode(free.token_ids[20:23])  # a stop a few tokens long, found at about token 23
+    cut = free.text.find(stop)
+    assert stop and cut >= 0
+    engine = AsyncEngine(llm)
+    threads: set[str] = set()
+
+    class Recording(TextStream):
+        def push(self, token: int, final: bool = False) -> str:
+            threads.add(threading.current_thread().name)
+            return super().push(token, final)
+
+    async def main() -> list:
+        text = Recording(llm.tokenizer.stream_decoder(), [stop])
+        return [e async for e in engine.generate(prompt, params, text=text)]
+
+    try:
+        events = _run(main())
+        assert "".join(e.text for e in events) == free.text[:cut]
+        assert events[-1].finish_reason == "stop" and len(events) <= 23
+        assert [e.token for e in events] == free.token_ids[: len(events)]
+        assert threads == {"swallow-engine"}
+        _wait_for(lambda: _idle_at_capacity(engine))
     finally:
         engine.close()

@@ -145,3 +145,13 @@ def test_gather_or_cancel_stops_the_others_when_one_fails() -> None:
 
     asyncio.run(main())
     assert finished == []
+
+
+def test_stop_strings_are_bounded() -> None:
+    from api.chat import MAX_STOP_CHARS, MAX_STOP_STRINGS, BadRequest, parse_stop
+
+    assert parse_stop(["a"] * MAX_STOP_STRINGS) == ("a",) * MAX_STOP_STRINGS
+    with pytest.raises(BadRequest, match="at most"):
+        parse_stop(["a"] * (MAX_STOP_STRINGS + 1))
+    with pytest.raises(BadRequest, match="at most"):
+        parse_stop("x" * (MAX_STOP_CHARS + 1))
