@@ -48,9 +48,19 @@ class AttentionSpec:
     has_sinks: bool
 
     @property
-    def rotary_dim(self) -> int:
-        # Truncation, as the reference implementation does (192 * 0.334 -> 64).
+    def rope_dim(self) -> int:
+        """The d of the rotary frequencies theta^(-2i/d): head_dim times the
+        factor, truncated as the reference does (192 * 0.334 -> 64)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading q/k channels that rotate: two per frequency i in [0, d) step 2.
+
+        An odd d therefore rotates d + 1 channels (16 * 0.334 -> d = 5 -> 6),
+        exactly as transformers does; d <= 0 rotates none.
+        """
+        return 2 * len(range(0, self.rope_dim, 2))
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -96,9 +106,20 @@ class ModelConfig:
         return 0 if window is None else window - 1
 
     def attention(self, layer_idx: int) -> AttentionSpec:
-        if self.layer_types[layer_idx] == "sliding":
-            return self.sliding_attention
-        return self.full_attention
+        return self.attention_for(self.layer_types[layer_idx])
+
+    def attention_for(self, layer_type: LayerType) -> AttentionSpec:
+        return self.sliding_attention if layer_type == "sliding" else self.full_attention
+
+    @property
+    def used_layer_types(self) -> tuple[LayerType, ...]:
+        """Layer types some layer runs (MTP layers attend like SWA layers).
+
+        Only these must describe a runnable attention: transformers builds no
+        module for an absent type, so e.g. an all-full model may have heads
+        that do not divide the doubled SWA KV-head count.
+        """
+        return _used_layer_types(self.layer_types, self.num_mtp_layers)
 
     @property
     def full_layer_ids(self) -> tuple[int, ...]:
@@ -146,16 +167,10 @@ class ModelConfig:
             raise ConfigError(f"unknown layer types {sorted(bad)}")
         if bad := set(self.mlp_layer_types) - {"dense", "sparse"}:
             raise ConfigError(f"unknown mlp layer types {sorted(bad)}")
-        for name, spec in (("full", self.full_attention), ("sliding", self.sliding_attention)):
-            if spec.num_heads % spec.num_kv_heads:
-                raise ConfigError(
-                    f"{name} attention: {spec.num_heads} heads not divisible by "
-                    f"{spec.num_kv_heads} KV heads"
-                )
-            if spec.rotary_dim % 2 or spec.rotary_dim > spec.head_dim:
-                raise ConfigError(f"{name} attention: bad rotary dim {spec.rotary_dim}")
-        if "sliding" in self.layer_types and not self.sliding_attention.sliding_window:
-            raise ConfigError("sliding layers need a sliding window size")
+        for name in self.used_layer_types:
+            _validate_attention(name, self.attention_for(name))
+        if "sliding" in self.used_layer_types and not self.sliding_attention.sliding_window:
+            raise ConfigError("sliding (and MTP) layers need a sliding window size")
         if "sparse" in self.mlp_layer_types:
             if self.n_routed_experts % self.n_group:
                 raise ConfigError("n_routed_experts must be divisible by n_group")
@@ -243,6 +258,32 @@ class ModelConfig:
         }
 
 
+def _used_layer_types(layer_types: tuple[LayerType, ...], num_mtp_layers: int) -> tuple[LayerType, ...]:
+    used = set(layer_types) | ({"sliding"} if num_mtp_layers else set())
+    return tuple(t for t in ("full", "sliding") if t in used)  # type: ignore[misc]
+
+
+def _validate_attention(name: str, spec: AttentionSpec) -> None:
+    if spec.num_heads % spec.num_kv_heads:
+        raise ConfigError(
+            f"{name} attention: {spec.num_heads} heads not divisible by "
+            f"{spec.num_kv_heads} KV heads"
+        )
+    # transformers fails on these too: a negative factor in torch.arange, a
+    # rotation wider than the head in a shape mismatch (head_dim 1 alone
+    # "runs", by broadcasting q and k to two channels, which is no rotary).
+    if spec.partial_rotary_factor < 0:
+        raise ConfigError(
+            f"{name} attention: partial_rotary_factor {spec.partial_rotary_factor} is negative"
+        )
+    if spec.rotary_dim > spec.head_dim:
+        raise ConfigError(
+            f"{name} attention: head_dim {spec.head_dim} x partial_rotary_factor "
+            f"{spec.partial_rotary_factor} gives rotary dim {spec.rope_dim}, which rotates "
+            f"{spec.rotary_dim} channels (whole pairs), more than the head has"
+        )
+
+
 # ---------------------------------------------------------------- hub parsing
 def _get(data: dict[str, Any], *names: str, default: Any = None) -> Any:
     for name in names:
@@ -287,16 +328,35 @@ def _parse_mlp_types(data: dict[str, Any], n: int) -> tuple[MlpType, ...]:
     return ("dense",) + ("sparse",) * (n - 1)
 
 
-def _rope_for(data: dict[str, Any], layer_type: LayerType) -> tuple[float, float]:
-    """(theta, partial_rotary_factor) for one layer type."""
+_ROPE_TYPE_KEYS = ("full_attention", "sliding_attention")
+
+
+def _rope_by_type(data: dict[str, Any], used: tuple[LayerType, ...]) -> dict[LayerType, tuple[float, float]]:
+    """(theta, partial_rotary_factor) per layer type."""
+    found = {t: _rope_for(data, t) for t in ("full", "sliding")}
+    if missing := [t for t in used if found[t] is None]:
+        raise ConfigError(f"rope_parameters has no entry for the {missing[0]}_attention layers")
+    # A type no layer runs may be left out; its spec only needs valid values.
+    fallback = next(v for v in found.values() if v is not None)
+    return {t: v or fallback for t, v in found.items()}  # type: ignore[misc]
+
+
+def _rope_for(data: dict[str, Any], layer_type: LayerType) -> tuple[float, float] | None:
+    """(theta, partial_rotary_factor) for one layer type; None where per-type
+    rope_parameters leave the type out."""
     params = data.get("rope_parameters")
     key = f"{layer_type}_attention"
-    if isinstance(params, dict) and key in params:
-        params = params[key]
+    if isinstance(params, dict) and any(k in params for k in _ROPE_TYPE_KEYS):
+        params = params.get(key)
+        if params is None:
+            return None
     if isinstance(params, dict) and params:
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"rope type {rope_type!r} is not supported (only 'default')")
+        if params.get("rope_theta") is None:
+            raise ConfigError(f"rope_parameters for {key} have no rope_theta")
+        # transformers' own default when a per-type entry omits the factor.
         return float(params["rope_theta"]), float(params.get("partial_rotary_factor", 0.334))
     scaling = data.get("rope_scaling")
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (
@@ -342,8 +402,11 @@ def _parse_hf_config(data: dict[str, Any]) -> ModelConfig:
     full_sinks = bool(data.get("add_full_attention_sink_bias", False))
     swa_sinks = bool(data.get("add_swa_attention_sink_bias", False)) if explicit_sinks else True
 
-    full_theta, full_factor = _rope_for(data, "full")
-    swa_theta, swa_factor = _rope_for(data, "sliding")
+    layer_types = _parse_layer_types(data, n)
+    num_mtp_layers = int(_get(data, "num_nextn_predict_layers", "num_mtp_layers", default=0))
+    rope = _rope_by_type(data, _used_layer_types(layer_types, num_mtp_layers))
+    full_theta, full_factor = rope["full"]
+    swa_theta, swa_factor = rope["sliding"]
     swa_head_dim = int(_get(data, "swa_head_dim", default=head_dim))
     full = AttentionSpec(
         num_heads=heads,
@@ -368,7 +431,8 @@ def _parse_hf_config(data: dict[str, Any]) -> ModelConfig:
     )
 
     if "attention_value_scale" in data:
-        value_scale = float(data["attention_value_scale"] or 1.0)
+        # null means "no scale" (the hub's spelling); 0.0 is a scale like any other.
+        value_scale = 1.0 if data["attention_value_scale"] is None else float(data["attention_value_scale"])
     else:
         value_scale = TRANSFORMERS_DEFAULT_VALUE_SCALE if model_type == TRANSFORMERS_MODEL_TYPE else 1.0
 
@@ -380,7 +444,7 @@ def _parse_hf_config(data: dict[str, Any]) -> ModelConfig:
         hidden_size=hidden,
         intermediate_size=_require_int(data, "intermediate_size"),
         num_hidden_layers=n,
-        layer_types=_parse_layer_types(data, n),
+        layer_types=layer_types,
         mlp_layer_types=_parse_mlp_types(data, n),
         full_attention=full,
         sliding_attention=sliding,
@@ -396,7 +460,7 @@ def _parse_hf_config(data: dict[str, Any]) -> ModelConfig:
         attention_bias=bool(_get(data, "attention_bias", default=False)),
         tie_word_embeddings=bool(_get(data, "tie_word_embeddings", default=False)),
         max_position_embeddings=int(_get(data, "max_position_embeddings", default=131072)),
-        num_mtp_layers=int(_get(data, "num_nextn_predict_layers", "num_mtp_layers", default=0)),
+        num_mtp_layers=num_mtp_layers,
         bos_token_id=data.get("bos_token_id"),
         eos_token_ids=eos_ids,
         pad_token_id=data.get("pad_token_id"),

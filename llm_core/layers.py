@@ -28,10 +28,12 @@ def rotary_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape [T, rotary_dim] for the given positions.
 
-    Recomputed per forward (a few hundred flops per token) so the model holds
-    no buffers that depend on the device it was loaded to.
+    One frequency theta^(-i/d) per even i in [0, d), d = ``spec.rope_dim``,
+    each used by a pair of channels: an odd d yields d + 1 columns, as in
+    transformers. Recomputed per forward (a few hundred flops per token) so
+    the model holds no buffers that depend on the device it was loaded to.
     """
-    dim = spec.rotary_dim
+    dim = spec.rope_dim
     exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim
     inv_freq = 1.0 / (spec.rope_theta**exponent)
     freqs = positions.float()[:, None] * inv_freq[None, :]

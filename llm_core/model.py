@@ -125,9 +125,10 @@ class MiMoV2Model(nn.Module):
     ) -> torch.Tensor:
         """Final normed hidden states [T, hidden] for a flat batch of tokens."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        # Only the types some layer has: an absent type's spec is never validated.
         rotary: RotaryTables = {
-            "full": rotary_cos_sin(positions, self.config.full_attention, x.dtype),
-            "sliding": rotary_cos_sin(positions, self.config.sliding_attention, x.dtype),
+            t: rotary_cos_sin(positions, self.config.attention_for(t), x.dtype)
+            for t in set(self.config.layer_types)
         }
         for layer in self.layers:
             x = layer(x, rotary, backend)

@@ -103,3 +103,61 @@ def test_unreadable_config_file(tmp_path: Path) -> None:
 def test_unknown_preset() -> None:
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         get_preset("huge")
+
+
+def _with_rotary(head_dim: int, factor: float, **fields: object) -> dict:
+    """tiny() as a config.json, with this q/k head dim and rotary factor on both layer types."""
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": factor}
+    return {**tiny().to_hf_dict(), "head_dim": head_dim, "swa_head_dim": head_dim,
+            "rope_parameters": {"full_attention": rope, "sliding_attention": rope}, **fields}
+
+
+def test_odd_rotary_dims_load_as_transformers_runs_them() -> None:
+    config = ModelConfig.from_hf_dict(_with_rotary(16, 0.334))
+    assert (config.full_attention.rope_dim, config.full_attention.rotary_dim) == (5, 6)
+    config = ModelConfig.from_hf_dict(_with_rotary(2, 0.334))
+    assert config.sliding_attention.rotary_dim == 0  # int(0.668) = 0: no rotary at all
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "factor", "message"),
+    [
+        (3, 1.0, "rotates 4 channels"),  # transformers: a shape mismatch in its forward
+        (1, 1.0, "rotates 2 channels"),  # transformers: broadcasts q and k to two channels
+        (16, 1.5, "rotates 24 channels"),
+        (16, -0.5, "negative"),  # transformers: torch.arange(0, -8, 2) fails
+    ],
+)
+def test_rotary_that_transformers_cannot_run_is_refused(head_dim: int, factor: float, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(_with_rotary(head_dim, factor))
+
+
+def test_only_attention_that_some_layer_runs_must_be_valid() -> None:
+    # transformers builds no SWA module in an all-full model: its doubled KV
+    # heads (8) need not divide the 4 heads.
+    data = {**tiny().to_hf_dict(), "layer_types": ["full_attention"] * 6, "num_key_value_heads": 4,
+            "num_nextn_predict_layers": 0}
+    del data["swa_num_key_value_heads"]
+    config = ModelConfig.from_hf_dict(data)
+    assert config.used_layer_types == ("full",) and config.sliding_attention.num_kv_heads == 8
+    mixed = ["full_attention"] + ["sliding_attention"] * 5
+    with pytest.raises(ConfigError, match="not divisible by 8"):
+        ModelConfig.from_hf_dict({**data, "layer_types": mixed})
+    with pytest.raises(ConfigError, match="not divisible by 8"):  # MTP layers attend like SWA layers
+        ModelConfig.from_hf_dict({**data, "num_nextn_predict_layers": 1})
+
+
+def test_rope_parameters_may_leave_out_only_a_layer_type_no_layer_runs() -> None:
+    full_only = {"full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}}
+    data = {**tiny().to_hf_dict(), "layer_types": ["full_attention"] * 6, "num_nextn_predict_layers": 0,
+            "rope_parameters": full_only}
+    assert ModelConfig.from_hf_dict(data).full_attention.rope_theta == 5e6
+    with pytest.raises(ConfigError, match="no entry for the sliding_attention layers"):
+        ModelConfig.from_hf_dict({**data, "num_nextn_predict_layers": 1})
+    with pytest.raises(ConfigError, match="no rope_theta"):
+        ModelConfig.from_hf_dict({**data, "rope_parameters": {"full_attention": {"rope_type": "default"}}})
+
+
+def test_a_zero_value_scale_is_a_scale() -> None:
+    assert ModelConfig.from_hf_dict({**tiny().to_hf_dict(), "attention_value_scale": 0.0}).attention_value_scale == 0.0
