@@ -109,6 +109,25 @@ class RoutedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
+        # Training keeps the dispatched path: its backward is plain autograd everywhere.
+        if not torch.is_grad_enabled() and _grouped_mm_runs(x, self.gate_up_proj, self.down_proj):
+            return self._grouped(x, weights, expert_ids)
+        return self._dispatched(x, weights, expert_ids)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Slots sorted by expert through one grouped product per projection, the
+        group boundaries staying on the device: nothing here waits on the host."""
+        flat_ids = expert_ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        token_of = order // expert_ids.shape[1]
+        ends = torch.bincount(flat_ids, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(x[token_of], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        h = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        slot_weights = weights.reshape(-1)[order, None].to(h.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, h * slot_weights)
+
+    def _dispatched(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Where grouped products do not run: sized from the expert counts on the host."""
         num_slots = expert_ids.numel()
         flat_ids = expert_ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
@@ -137,6 +156,22 @@ class RoutedExperts(nn.Module):
             out.index_add_(0, tokens, h * slot_weights[start : start + count].to(h.dtype))
             start += count
         return out
+
+
+def _grouped_mm_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: on CPU float32 or
+    bfloat16 (its fallback), on CUDA bfloat16 only; rows and data 16-byte
+    aligned (weights loaded as views into a file buffer may not be)."""
+    if x.device.type == "cpu":
+        ok_dtype = x.dtype in (torch.float32, torch.bfloat16)
+    else:
+        ok_dtype = x.device.type == "cuda" and x.dtype == torch.bfloat16
+    if not ok_dtype or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        return False
+    aligned = 16 // x.element_size()
+    hidden, intermediate = gate_up.shape[-1], down.shape[-1]
+    return (hidden % aligned == 0 and intermediate % aligned == 0
+            and gate_up.data_ptr() % 16 == 0 and down.data_ptr() % 16 == 0)
 
 
 class SparseMoE(nn.Module):

@@ -120,6 +120,9 @@ def read_config(model_dir: str | Path, reader: CheckpointReader) -> ModelConfig:
     return config
 
 
+_ALIGNMENT = 64  # bytes, what torch's CPU allocator gives
+
+
 def load_model(
     model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> MiMoV2ForCausalLM:
@@ -134,6 +137,10 @@ def load_model(
             owner_name, _, attr = name.rpartition(".")
             owner = model.get_submodule(owner_name)
             loaded = tensor.to(device=device, dtype=target_dtype)
+            if loaded.data_ptr() % _ALIGNMENT:
+                # A view into the file's buffer at the header's offset: vector
+                # kernels (and grouped products) want aligned rows.
+                loaded = loaded.clone()
             setattr(owner, attr, nn.Parameter(loaded, requires_grad=False))
     return model.eval()
 

@@ -93,3 +93,10 @@ def test_corrupt_safetensors_file(checkpoint_copy: Path) -> None:
     (checkpoint_copy / "model-mtp.safetensors").write_bytes(b"\x00garbage, not safetensors")
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
         LLM(checkpoint_copy)
+
+
+def test_loaded_weights_are_aligned(hf_checkpoint: Path) -> None:
+    from llm_core.weights import load_model
+
+    model = load_model(hf_checkpoint, "cpu", torch.float32)
+    assert {p.data_ptr() % 64 for p in model.parameters()} == {0}
