@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from llm_core.kv_pool import SequenceView
+from llm_core.device import to_device
 
 __all__ = ["BlockTable"]
 
@@ -86,7 +87,4 @@ class BlockTable:
 
 
 def _on(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    return to_device(torch.tensor(values, dtype=dtype), device)

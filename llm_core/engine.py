@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 
 from llm_core.block_table import BlockTable
+from llm_core.device import to_device
 from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool, SWAMode
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.multimodal import MultimodalSpan, check_spans, with_cache_tokens
@@ -312,7 +313,7 @@ class Engine:
                                                  self.allocator.full.page_size, self.device)
         swa_batch = PagedBatch.build(q_ranges, swa_slots, swa_first, swa_write, self.device)
         backend = PagedAttentionBackend(self.kv, full_batch, swa_batch, self.attention_fn)
-        input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+        input_ids = to_device(torch.tensor(tokens, dtype=torch.long), self.device)
         inputs_embeds = self._embed_with_spans(chunks, input_ids) if self._spans else None
         return StepInputs(input_ids, full_batch.q_pos, backend, inputs_embeds)
 

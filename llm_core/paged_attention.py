@@ -20,6 +20,7 @@ import torch
 
 from llm_core.attention import softmax_with_sinks, attention_reference
 from llm_core.config import AttentionSpec, ModelConfig
+from llm_core.device import to_device
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class PagedBatch:
             starts.append(offset)
             offset += len(slots)
         return PagedBatch._assemble(
-            q_ranges, _cat(kv).to(device), starts, [len(slots) for slots in kv], kv_first_positions,
+            q_ranges, to_device(_cat(kv), device), starts, [len(slots) for slots in kv], kv_first_positions,
             _cat(writes), 1, device,
         )
 
@@ -103,10 +104,10 @@ class PagedBatch:
             q_off += n
 
         def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=torch.int32), device)
 
         def i64(values: list[int] | torch.Tensor) -> torch.Tensor:
-            return torch.as_tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+            return to_device(torch.as_tensor(values, dtype=torch.int64), device)
 
         return PagedBatch(
             q_pos=i64(_cat([torch.arange(start, start + n) for start, n in q_ranges])),

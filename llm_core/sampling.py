@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llm_core.device import to_device
+
 
 # Temperatures in (0, MIN_TEMPERATURE) are refused: dividing logits by them
 # overflows to inf (1e-38) and softmax turns that into NaN, which cannot be
@@ -117,7 +119,7 @@ class SamplingPlan:
         drawn = [(i, row) for i, row in enumerate(rows) if not row.params.greedy]
 
         def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).view(-1, 1).to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype).view(-1, 1), device)
 
         params = [row.params for _, row in drawn]
         filters = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
