@@ -28,14 +28,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from llm_core import LLM, MultimodalSpan, SamplingParams
 from llm_core.engine import TokenEvent
 
 __all__ = [
-    "AsyncEngine", "Detokenizer", "EngineOverloaded", "EngineUnavailable", "GenerationStats", "RequestFailed",
+    "AsyncEngine", "Detokenizer", "EngineOverloaded", "EngineUnavailable", "RequestFailed",
     "StreamEvent",
 ]
 
@@ -76,15 +76,6 @@ class StreamEvent:
     token: int
     finish_reason: str | None  # on the last one: "stop" (a stop token or string) or "length"
     text: str = ""  # the text delta, when the request brought a detokenizer
-
-
-@dataclass
-class GenerationStats:
-    """Timing of one request, for metrics."""
-
-    submitted: float
-    first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)
 
 
 @dataclass

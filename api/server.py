@@ -292,10 +292,11 @@ async def _false() -> bool:
 
 
 def _sse_error(exc: RequestFailed | EngineUnavailable) -> str:
-    """A failure after the 200 was sent can only travel inside the stream."""
-    if isinstance(exc, EngineUnavailable):
-        return _sse({"error": {"message": str(exc), "type": "server_overloaded", "code": 503}})
-    return _sse({"error": {"message": str(exc), "type": "server_error", "code": 500}})
+    """A failure after the 200 was sent can only travel inside the stream: the
+    same error object the status line would have carried."""
+    answer = _error_for(exc)
+    assert answer is not None  # both kinds are mapped
+    return f"data: {answer.body.decode()}\n\n"
 
 
 def _chat_envelope(model: str, kind: str) -> dict[str, Any]:
