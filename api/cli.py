@@ -95,6 +95,8 @@ def _serve(args: argparse.Namespace) -> int:
         kv_budget_bytes=int(args.kv_budget_mib * (1 << 20)),
         max_running_requests=args.max_running_requests,
         enable_prefix_caching=not args.no_prefix_caching,
+        compile=args.device.startswith("cuda") if args.compile is None else args.compile,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
     app = create_app(model, metrics)
     print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
@@ -168,7 +170,8 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         from llm_core.bench.throughput import throughput
 
-        result = throughput(seed=args.seed, num_requests=args.num_requests, repeats=args.repeats)
+        result = throughput(seed=args.seed, num_requests=args.num_requests, repeats=args.repeats,
+                            compile=not args.eager)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -217,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-budget-mib", type=float, default=256.0, help="memory for both KV pools")
     serve.add_argument("--max-running-requests", type=int, default=64)
     serve.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    serve.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="torch.compile the decode forward (default: on with CUDA; on CPU it pays for long "
+                            "runs, after about a minute of compiling on the first decode steps)")
+    serve.add_argument("--cuda-graph-max-batch", type=int,
+                       help="CUDA: replay decode batches up to this size from CUDA graphs (0: off; "
+                            "default: --max-running-requests)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set SWALLOW_API_KEY)")
     serve.add_argument("--max-upload-mb", type=float, default=512.0, help="largest upload or request body")
     serve.add_argument("--spool-dir", help="where uploads are written (default: a temporary directory)")
@@ -268,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kv-budget-gib", type=float, default=8192.0, help="kv: KV memory budget")
     bench.add_argument("--page-size", type=int, default=16, help="kv: full-pool page size")
     bench.add_argument("--num-requests", type=int, default=32, help="throughput: requests")
+    bench.add_argument("--eager", action="store_true", help="throughput: Swallow without torch.compile")
     bench.add_argument("--seed", type=int, default=0, help="throughput, image, load: workload seed")
     bench.add_argument("--fps", type=float, default=2.0, help="video: sampling rate")
     bench.add_argument("--threads", type=int, help="video: decode threads (default: usable cores)")

@@ -3,29 +3,35 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Callable, Sequence as SequenceOf
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 from llm_core.block_table import BlockTable
+from llm_core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llm_core.device import to_device
 from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool, SWAMode
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.multimodal import MultimodalSpan, check_spans, with_cache_tokens
 from llm_core.paged_attention import (
     AttentionFn,
+    DecodeAttentionBackend,
+    DecodeAttentionFn,
+    DecodeBatch,
     KVCacheTensors,
     PagedAttentionBackend,
     PagedBatch,
     paged_attention_torch,
+    paged_decode_attention_torch,
 )
 from llm_core.prefix_cache import RadixCache
 from llm_core.sampling import SamplingParams, SamplingPlan, SamplingRow, request_seed, sample_tokens
 from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
 
 AttentionImpl = Literal["auto", "torch", "triton"]
+DecodeForwardFn = Callable[[MiMoV2ForCausalLM, torch.Tensor, torch.Tensor, DecodeAttentionBackend], torch.Tensor]
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +49,21 @@ class EngineConfig:
     # Extra SWA checkpoints every N tokens (besides prompt ends and finished
     # requests), so a prompt diverging mid-way falls back at most this far.
     checkpoint_interval: int | None = 4096
+    # torch.compile(fullgraph=True) the decode forward (one graph, dynamic
+    # batch and context sizes; the first steps pay for compiling it).
+    compile: bool = False
+    # On CUDA with the Triton kernels: replay decode steps of up to this many
+    # requests from CUDA graphs captured at start-up for padded batch sizes
+    # (0: never; None: up to max_running_requests).
+    cuda_graph_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.swa_mode not in ("hybrid", "full"):
             raise ValueError(f"swa_mode must be 'hybrid' or 'full', got {self.swa_mode!r}")
         if self.attention not in ("auto", "torch", "triton"):
             raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {self.attention!r}")
+        if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
 
 
 @dataclass(frozen=True)
@@ -69,7 +84,7 @@ class EngineFault(RuntimeError):
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    backend: PagedAttentionBackend
+    backend: PagedAttentionBackend | DecodeAttentionBackend
     inputs_embeds: torch.Tensor | None
 
 
@@ -100,12 +115,46 @@ def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:
     return rows
 
 
+def uses_triton(impl: AttentionImpl, device: torch.device) -> bool:
+    return impl == "triton" or (impl == "auto" and device.type == "cuda")
+
+
 def resolve_attention(impl: AttentionImpl, device: torch.device) -> AttentionFn:
-    if impl == "triton" or (impl == "auto" and device.type == "cuda"):
+    if uses_triton(impl, device):
         from llm_core.triton_attention import paged_attention_triton
 
         return paged_attention_triton
     return paged_attention_torch
+
+
+def resolve_decode_attention(impl: AttentionImpl, device: torch.device) -> DecodeAttentionFn:
+    if uses_triton(impl, device):
+        from llm_core.triton_attention import paged_decode_attention_triton
+
+        return paged_decode_attention_triton
+    return paged_decode_attention_torch
+
+
+def decode_logits(model: MiMoV2ForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+                  backend: DecodeAttentionBackend) -> torch.Tensor:
+    """The decode forward, logits included: what is compiled and captured."""
+    return model.compute_logits(model(input_ids, positions, backend))
+
+
+def compiled_decode_logits(backend: str = "inductor") -> DecodeForwardFn:
+    """``decode_logits`` under torch.compile(fullgraph=True): one graph for every
+    batch size and context (sizes 0 and 1 aside, which torch specialises)."""
+    compiled = torch.compile(decode_logits, fullgraph=True, dynamic=True, backend=backend)
+
+    def run(model: MiMoV2ForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+            backend: DecodeAttentionBackend) -> torch.Tensor:
+        # Without duck sizing, two sizes that happen to be equal when a graph is
+        # traced (batch and page count, say) are not assumed equal forever,
+        # which would recompile it when they part.
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(model, input_ids, positions, backend)
+
+    return run
 
 
 class Engine:
@@ -134,7 +183,8 @@ class Engine:
             self.window,
             config.swa_mode,
         )
-        self.kv = KVCacheTensors(mc, self.allocator.full.capacity, self.allocator.swa.capacity, dtype, device)
+        self.kv = KVCacheTensors(mc, self.allocator.full.capacity, self.allocator.swa.capacity, dtype, device,
+                                 config.page_size)
         longest = min(mc.max_position_embeddings, self.allocator.full.capacity)
         self.block_table = BlockTable(-(-longest // config.page_size), device, config.max_running_requests)
         self.cache = RadixCache(self.allocator, config.checkpoint_interval) if config.enable_prefix_caching else None
@@ -144,6 +194,9 @@ class Engine:
             self.cache,
         )
         self.attention_fn = resolve_attention(config.attention, device)
+        self.decode_attention_fn = resolve_decode_attention(config.attention, device)
+        self._decode_logits = compiled_decode_logits() if config.compile else decode_logits
+        self.graphs = self._capture_graphs()
         self._sampling: dict[int, _Sampling] = {}
         self._sequences: dict[int, Sequence] = {}
         # Multimodal spans of running requests only (embeddings already on the
@@ -235,8 +288,7 @@ class Engine:
     def _run(self, chunks: list[ScheduledChunk]) -> list[TokenEvent]:
         sampled = [c for c in chunks if c.samples]
         try:
-            hidden = self._forward(chunks)
-            logits = self.model.compute_logits(hidden[_sample_rows(chunks)]) if sampled else None
+            logits = self._logits(chunks)
         except Exception as exc:  # noqa: BLE001 - narrowed to the failing requests below
             return self._isolate(chunks, exc)
         # Only now does the step count: a failed forward left every chunk as it was
@@ -288,13 +340,40 @@ class Engine:
         self._end(seq, "error")
         return TokenEvent(seq.request_id, -1, "error", error=f"{type(exc).__name__}: {exc}")
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Logits of every chunk that samples, in chunk order; None if none does."""
+        rows = _sample_rows(chunks)
         step = self.prepare_step(chunks)
-        return self.model(step.input_ids, step.positions, step.backend, inputs_embeds=step.inputs_embeds)
+        if isinstance(step.backend, DecodeAttentionBackend):
+            # One row per chunk: the graphs and the compiled forward compute them all.
+            logits = self._decode_step(step)
+            return logits if len(rows) == len(chunks) else (logits[rows] if rows else None)
+        hidden = self.model(step.input_ids, step.positions, step.backend, inputs_embeds=step.inputs_embeds)
+        return self.model.compute_logits(hidden[rows]) if rows else None
+
+    def _decode_step(self, step: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and step.input_ids.shape[0] <= self.graphs.max_batch:
+            return self.graphs.replay(step.input_ids, step.backend.batch)  # type: ignore[union-attr]
+        return self._decode_logits(self.model, step.input_ids, step.positions, step.backend)
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of the decode forward, where it is captured: on CUDA with
+        the Triton kernels (the torch path gathers the whole table width)."""
+        limit = self.config.cuda_graph_max_batch
+        limit = self.config.max_running_requests if limit is None else min(limit, self.config.max_running_requests)
+        if self.device.type != "cuda" or limit == 0 or not uses_triton(self.config.attention, self.device):
+            return None
+        return DecodeGraphs(
+            lambda ids, batch: self._decode_logits(self.model, ids, batch.positions,
+                                                   DecodeAttentionBackend(self.kv, batch, self.decode_attention_fn)),
+            self.kv, graph_batch_sizes(limit), self.block_table.width, self.window, self.device,
+        )
 
     def prepare_step(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """Everything the forward needs, at O(batch + new tokens + W per request)
         host cost: full-pool keys come through the block table, never as lists."""
+        if all(chunk.length == 1 for chunk in chunks) and not any(self._touches_span(c) for c in chunks):
+            return self.prepare_decode(chunks)
         tokens: list[int] = []
         q_ranges: list[tuple[int, int]] = []
         full_write, swa_slots, swa_write, swa_first = [], [], [], []
@@ -316,6 +395,42 @@ class Engine:
         input_ids = to_device(torch.tensor(tokens, dtype=torch.long), self.device)
         inputs_embeds = self._embed_with_spans(chunks, input_ids) if self._spans else None
         return StepInputs(input_ids, full_batch.q_pos, backend, inputs_embeds)
+
+    def prepare_decode(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """A step of one query per request, as a ``DecodeBatch``: O(batch x W) on
+        the host, one host-to-device copy, full-pool pages gathered from the
+        device block table."""
+        window, rows = self.window, []
+        for chunk in chunks:
+            seq, pos = chunk.seq, chunk.start
+            view = seq.view
+            page = view.full_page_size
+            swa = view.swa_slots(max(0, pos + 1 - window), pos + 1)
+            rows.append([seq.token_slice(pos, pos + 1)[0], pos, view.full_pages[pos // page] * page + pos % page,
+                         len(swa), swa[-1], *swa, *([0] * (window - len(swa)))])
+        table_rows = self.block_table.sync([(chunk.seq.request_id, chunk.seq.view) for chunk in chunks])
+        for row, table_row in zip(rows, table_rows):
+            row.append(table_row)
+        meta = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+        # Fields as tensors of their own (not views at offsets of one), so the
+        # compiled forward sees the same strides and offsets at every step.
+        ids, positions, full_write, swa_len, swa_write = (meta[:, i].clone() for i in range(5))
+        widest = -(-(max(chunk.start for chunk in chunks) + 1) // self.allocator.full.page_size)
+        batch = DecodeBatch(
+            positions=positions,
+            full_pages=self.block_table.table[meta[:, -1], :widest],
+            full_write=full_write,
+            swa_slots=meta[:, 5:-1].clone(),
+            swa_len=swa_len,
+            swa_write=swa_write,
+            page_size=self.allocator.full.page_size,
+        )
+        backend = DecodeAttentionBackend(self.kv, batch, self.decode_attention_fn)
+        return StepInputs(ids, positions, backend, None)
+
+    def _touches_span(self, chunk: ScheduledChunk) -> bool:
+        start, end = chunk.start, chunk.start + chunk.length
+        return any(span.offset < end and start < span.end for span in self._spans.get(chunk.seq.request_id, ()))
 
     def _embed_with_spans(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor) -> torch.Tensor | None:
         """Token embeddings of the batch with every span position's row taken

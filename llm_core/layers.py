@@ -109,6 +109,11 @@ class RoutedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
+        if torch.compiler.is_compiling() or _capturing(x):
+            # Traced or captured: no host sync, no data-dependent shape.
+            if _grouped_mm_traces(x, self.gate_up_proj, self.down_proj):
+                return self._grouped(x, weights, expert_ids)
+            return self._dense(x, weights, expert_ids)
         # Training keeps the dispatched path: its backward is plain autograd everywhere.
         if not torch.is_grad_enabled() and _grouped_mm_runs(x, self.gate_up_proj, self.down_proj):
             return self._grouped(x, weights, expert_ids)
@@ -120,11 +125,26 @@ class RoutedExperts(nn.Module):
         flat_ids = expert_ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
         token_of = order // expert_ids.shape[1]
-        ends = torch.bincount(flat_ids, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        # A scatter rather than bincount: its output size is static, so it traces.
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+        ends = counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(x[token_of], self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         h = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
         slot_weights = weights.reshape(-1)[order, None].to(h.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, h * slot_weights)
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted by a dense [T, experts] routing
+        matrix (zero where not chosen): experts / top_k times the useful flops,
+        but static shapes, for traced forwards where grouped products do not
+        trace (CPU float32). Few experts per token and small batches are where
+        it is used: decode of small models."""
+        route = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+        route.scatter_(1, expert_ids, weights.to(x.dtype))
+        gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, T, I] each
+        h = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, T, H]
+        return torch.einsum("eth,te->th", h, route)
 
     def _dispatched(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Where grouped products do not run: sized from the expert counts on the host."""
@@ -172,6 +192,19 @@ def _grouped_mm_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor)
     hidden, intermediate = gate_up.shape[-1], down.shape[-1]
     return (hidden % aligned == 0 and intermediate % aligned == 0
             and gate_up.data_ptr() % 16 == 0 and down.data_ptr() % 16 == 0)
+
+
+def _grouped_mm_traces(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can be traced here: its fake kernel takes
+    bfloat16 only. Loaded and initialised weights are 64-byte aligned, so
+    (unlike ``_grouped_mm_runs``) no pointer is inspected, which would not trace."""
+    if not (x.device.type == "cuda" and x.dtype == torch.bfloat16 and gate_up.dtype == down.dtype == x.dtype):
+        return False
+    return gate_up.shape[-1] % 8 == 0 and down.shape[-1] % 8 == 0  # 16-byte rows
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class SparseMoE(nn.Module):

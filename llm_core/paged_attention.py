@@ -167,9 +167,13 @@ def paged_attention_torch(
     """Reference: gather each request's keys from the pool and attend.
 
     q [T, Hq, D]; k_cache [S, Hkv, D]; v_cache [S, Hkv, Dv] -> [T, Hq, Dv].
-    Decode rows go through one padded batched product; extend chunks one
-    request at a time.
+    With a window narrower than what the requests' keys span, every query of
+    the batch attends to exactly its window's keys in one batched product
+    (T x W scores, not chunk x keys per request). Otherwise decode rows go
+    through one padded batched product and extend chunks one request at a time.
     """
+    if sliding_window is not None and _windowed_is_cheaper(batch, sliding_window):
+        return _windowed_attention_torch(q, k_cache, v_cache, batch, sliding_window, sinks)
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     decode = batch.decode
     if decode.rows.numel():
@@ -186,6 +190,63 @@ def paged_attention_torch(
     return out
 
 
+# Queries per block of the windowed path: a block sees its queries' windows,
+# BLOCK + W - 1 keys, through products big enough to run at speed.
+_WINDOW_BLOCK = 64
+
+
+def _windowed_is_cheaper(batch: PagedBatch, window: int) -> bool:
+    blocks = sum(-(-n // _WINDOW_BLOCK) for _, n in batch.q_bounds)
+    pairs = sum(nq * nk for (_, nq), (_, nk, _) in zip(batch.q_bounds, batch.kv_bounds))
+    return blocks * _WINDOW_BLOCK * (_WINDOW_BLOCK + window - 1) <= pairs
+
+
+def _windowed_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    window: int,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Every request's queries in blocks of ``_WINDOW_BLOCK``; a block attends to
+    the keys its queries' windows span (positions first - W + 1 .. last), all
+    blocks of the batch in one batched product."""
+    device, block = q.device, _WINDOW_BLOCK
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    starts = [(b, q0 + i, n - i) for b, (q0, n) in enumerate(batch.q_bounds) for i in range(0, n, block)]
+    request = torch.tensor([b for b, _, _ in starts], device=device)
+    first_row = torch.tensor([row for _, row, _ in starts], device=device)
+    left = torch.tensor([n for _, _, n in starts], device=device)
+    offsets = torch.arange(block, device=device)
+    row_ok = offsets[None, :] < left[:, None]  # [nb, block]
+    rows = torch.where(row_ok, first_row[:, None] + offsets, 0)
+    q_pos = batch.q_pos[rows]  # [nb, block]
+    span = block + window - 1
+    key_pos = q_pos[:, :1] - window + 1 + torch.arange(span, device=device)  # [nb, span]
+    index = key_pos - batch.kv_first_pos[request][:, None]
+    key_ok = (index >= 0) & (index < batch.kv_len[request][:, None])
+    index = torch.where(key_ok, index, 0)
+    entry = batch.kv_start[request].long()[:, None] + index // batch.page_size
+    slots = batch.kv_table[entry].long() * batch.page_size + index % batch.page_size
+    keys, values = k_cache[slots], v_cache[slots]  # [nb, span, Hkv, D|Dv]
+    values = torch.where(key_ok[:, :, None, None], values, 0.0)
+    visible = key_ok[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
+    visible &= (q_pos[:, :, None] - key_pos[:, None, :]) < window  # [nb, block, span]
+    qb = q[rows].view(-1, block, hkv, group, d)
+    scores = torch.einsum("nqhgd,nkhd->nhgqk", qb, keys) * d**-0.5
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    sink_logits = None if sinks is None else sinks.view(1, hkv, group, 1, 1)
+    probs = softmax_with_sinks(scores, sink_logits)
+    out_blocks = torch.einsum("nhgqk,nkhd->nqhgd", probs.to(values.dtype), values).reshape(-1, block, hq,
+                                                                                           values.shape[-1])
+    out = q.new_empty(t, hq, values.shape[-1])
+    out[rows[row_ok]] = out_blocks[row_ok]
+    return out
+
+
 def _decode_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -195,19 +256,36 @@ def _decode_attention_torch(
     sliding_window: int | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
+    return attend_gathered(q, k_cache[decode.slots], v_cache[decode.slots], decode.key_pos, decode.key_pos >= 0,
+                           batch.q_pos[decode.rows], sliding_window, sinks)
+
+
+def attend_gathered(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_pos: torch.Tensor,
+    valid: torch.Tensor,
+    q_pos: torch.Tensor,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One query per row against its gathered keys: q [B, Hq, D], keys
+    [B, L, Hkv, D], values [B, L, Hkv, Dv], key_pos / valid [B, L] -> [B, Hq, Dv].
+
+    Pure tensor code with shapes fixed by (B, L): no host sync, nothing that
+    stops ``torch.compile`` or a CUDA graph.
+    """
     b, hq, d = q.shape
-    hkv = k_cache.shape[1]
+    hkv = keys.shape[2]
     group = hq // hkv
-    keys = k_cache[decode.slots]  # [B, L, Hkv, D]
-    # Padding reads slot 0, which may hold anything: zero it so 0 * value stays 0.
-    values = v_cache[decode.slots].masked_fill((decode.key_pos < 0)[:, :, None, None], 0.0)  # [B, L, Hkv, Dv]
-    qg = q.view(b, hkv, group, d)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * d**-0.5
-    q_pos = batch.q_pos[decode.rows][:, None]
-    key_pos = decode.key_pos
-    visible = (key_pos >= 0) & (key_pos <= q_pos)
+    # Padding reads slots that may hold anything (a freed request's NaN): zero
+    # them so 0 * value stays 0.
+    values = torch.where(valid[:, :, None, None], values, 0.0)
+    scores = torch.einsum("bhgd,blhd->bhgl", q.view(b, hkv, group, d), keys) * d**-0.5
+    visible = valid & (key_pos <= q_pos[:, None])
     if sliding_window is not None:
-        visible &= (q_pos - key_pos) < sliding_window
+        visible = visible & ((q_pos[:, None] - key_pos) < sliding_window)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     sink_logits = None if sinks is None else sinks.view(1, hkv, group, 1)
     probs = softmax_with_sinks(scores, sink_logits)
@@ -215,12 +293,68 @@ def _decode_attention_torch(
     return out.reshape(b, hq, -1)
 
 
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A step in which every request has exactly one query, as tensors only.
+
+    Shapes depend on (requests, full pages of the longest request, window)
+    alone and nothing in it is read on the host, so a forward over it can be
+    compiled whole and captured into a CUDA graph.
+    """
+
+    positions: torch.Tensor  # [B] int64, position of each request's query
+    full_pages: torch.Tensor  # [B, P] int32, the first P page ids of each request
+    full_write: torch.Tensor  # [B] int64, full-pool slot of the query's K/V
+    swa_slots: torch.Tensor  # [B, W] int64, SWA slots of the window's keys in position order, 0-padded
+    swa_len: torch.Tensor  # [B] int64, keys in the window (the query's own included)
+    swa_write: torch.Tensor  # [B] int64, SWA-pool slot of the query's K/V
+    page_size: int
+
+
+# (q, k_cache, v_cache, pages [B, P], page_size, kv_len [B], q_pos [B], window, sinks) -> [B, Hq, Dv]
+DecodeAttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, "int | None",
+     "torch.Tensor | None"],
+    torch.Tensor,
+]
+
+
+def paged_decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    kv_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Request b's keys are its last kv_len[b] positions, key i at slot
+    pages[b, i // page_size] * page_size + i % page_size. Whole pages are
+    gathered (one contiguous block each), not single slots."""
+    b, p = pages.shape
+    hkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
+    n = p * page_size
+    index = pages.long()
+    keys = k_cache.view(-1, page_size, hkv, d)[index].view(b, n, hkv, d)
+    values = v_cache.view(-1, page_size, hkv, dv)[index].view(b, n, hkv, dv)
+    key = torch.arange(n, device=q.device)
+    valid = key[None, :] < kv_len[:, None]
+    key_pos = (q_pos + 1 - kv_len)[:, None] + key[None, :]
+    return attend_gathered(q, keys, values, key_pos, valid, q_pos, sliding_window, sinks)
+
+
 class KVCacheTensors:
     """The pools' tensors: one [slots, kv_heads, dim] K and V per layer.
 
     Full-attention layers share the full pool's slot space, SWA and MTP layers
-    the SWA pool's. On ``device="meta"`` nothing is allocated, which is how
-    capacity is measured for model shapes that do not fit here.
+    the SWA pool's. Each layer's K and V are tensors of their own rather than
+    views of one stacked tensor, so a compiled forward updates them in place.
+    Past the allocator's slots each pool has one scratch page: where padding
+    rows of a CUDA-graph batch write their K/V. On ``device="meta"`` nothing
+    is allocated, which is how capacity is measured for model shapes that do
+    not fit here.
     """
 
     def __init__(
@@ -230,31 +364,45 @@ class KVCacheTensors:
         swa_slots: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        page_size: int = 1,
     ) -> None:
         full, swa = config.full_attention, config.sliding_attention
         swa_layers = list(config.sliding_layer_ids) + [
             config.num_hidden_layers + j for j in range(config.num_mtp_layers)
         ]
-        self._index: dict[int, tuple[bool, int]] = {i: (False, n) for n, i in enumerate(config.full_layer_ids)}
-        self._index.update({i: (True, n) for n, i in enumerate(swa_layers)})
-        self.full_k = torch.zeros(len(config.full_layer_ids), full_slots, full.num_kv_heads, full.head_dim,
-                                  dtype=dtype, device=device)
-        self.full_v = torch.zeros(len(config.full_layer_ids), full_slots, full.num_kv_heads, full.v_head_dim,
-                                  dtype=dtype, device=device)
-        self.swa_k = torch.zeros(len(swa_layers), swa_slots, swa.num_kv_heads, swa.head_dim,
-                                 dtype=dtype, device=device)
-        self.swa_v = torch.zeros(len(swa_layers), swa_slots, swa.num_kv_heads, swa.v_head_dim,
-                                 dtype=dtype, device=device)
+        self.page_size = page_size
+        self.full_scratch_page = -(-full_slots // page_size)
+        self.swa_scratch_slot = swa_slots
+        full_rows = (self.full_scratch_page + 1) * page_size
+        self._layers: dict[int, tuple[bool, torch.Tensor, torch.Tensor]] = {}
+        for i in config.full_layer_ids:
+            self._layers[i] = (False, torch.zeros(full_rows, full.num_kv_heads, full.head_dim, dtype=dtype,
+                                                  device=device),
+                               torch.zeros(full_rows, full.num_kv_heads, full.v_head_dim, dtype=dtype, device=device))
+        for i in swa_layers:
+            self._layers[i] = (True, torch.zeros(swa_slots + 1, swa.num_kv_heads, swa.head_dim, dtype=dtype,
+                                                 device=device),
+                               torch.zeros(swa_slots + 1, swa.num_kv_heads, swa.v_head_dim, dtype=dtype,
+                                           device=device))
+        self.shapes = {
+            "full_k": [len(config.full_layer_ids), full_rows, full.num_kv_heads, full.head_dim],
+            "swa_k": [len(swa_layers), swa_slots + 1, swa.num_kv_heads, swa.head_dim],
+        }
+        self.device = torch.device(device)
         element = torch.empty((), dtype=dtype).element_size()
         self.full_bytes_per_token = len(config.full_layer_ids) * full.kv_elements_per_token * element
         self.swa_bytes_per_token = len(swa_layers) * swa.kv_elements_per_token * element
 
     def layer(self, layer_idx: int) -> tuple[bool, torch.Tensor, torch.Tensor]:
         """(is_swa_pool, K, V) of one layer."""
-        is_swa, n = self._index[layer_idx]
-        if is_swa:
-            return True, self.swa_k[n], self.swa_v[n]
-        return False, self.full_k[n], self.full_v[n]
+        return self._layers[layer_idx]
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Write a step's K/V rows into a layer's pool tensors (in place, also when compiled)."""
+    k_cache.index_put_((slots,), k.to(k_cache.dtype))
+    v_cache.index_put_((slots,), v.to(v_cache.dtype))
 
 
 AttentionFn = Callable[
@@ -285,6 +433,34 @@ class PagedAttentionBackend:
     ) -> torch.Tensor:
         is_swa, k_cache, v_cache = self.tensors.layer(layer_idx)
         batch = self.swa_batch if is_swa else self.full_batch
-        k_cache.index_copy_(0, batch.write_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, batch.write_slots, v.to(v_cache.dtype))
+        store_kv(k_cache, v_cache, batch.write_slots, k, v)
         return self.attention_fn(q, k_cache, v_cache, batch, spec.sliding_window, sinks)
+
+
+class DecodeAttentionBackend:
+    """AttentionBackend for a decode step (``DecodeBatch``): the same pools,
+    metadata that is tensors only."""
+
+    def __init__(self, tensors: KVCacheTensors, batch: DecodeBatch, attention_fn: DecodeAttentionFn) -> None:
+        self.tensors = tensors
+        self.batch = batch
+        self.attention_fn = attention_fn
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: AttentionSpec,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        is_swa, k_cache, v_cache = self.tensors.layer(layer_idx)
+        b = self.batch
+        if is_swa:
+            store_kv(k_cache, v_cache, b.swa_write, k, v)
+            return self.attention_fn(q, k_cache, v_cache, b.swa_slots, 1, b.swa_len, b.positions,
+                                     spec.sliding_window, sinks)
+        store_kv(k_cache, v_cache, b.full_write, k, v)
+        return self.attention_fn(q, k_cache, v_cache, b.full_pages, b.page_size, b.positions + 1, b.positions,
+                                 spec.sliding_window, sinks)

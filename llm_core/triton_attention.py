@@ -374,3 +374,57 @@ def paged_attention_triton(
     if batch.q_bounds and all(n == 1 for _, n in batch.q_bounds):
         return decode_attention_triton(q, k_cache, v_cache, batch, sliding_window, sinks)
     return extend_attention_triton(q, k_cache, v_cache, batch, sliding_window, sinks)
+
+
+@torch.library.custom_op("swallow::paged_decode_attention", mutates_args=())
+def _paged_decode_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    kv_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    sliding_window: int,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    b, width = pages.shape
+    device = q.device
+    q_pos, kv_len = q_pos.contiguous(), kv_len.contiguous()  # the kernel indexes them as dense vectors
+    batch = PagedBatch(
+        q_pos=q_pos,
+        q_start=torch.arange(b, dtype=torch.int32, device=device),
+        q_len=torch.ones(b, dtype=torch.int32, device=device),
+        kv_table=pages.reshape(-1),
+        kv_start=torch.arange(0, b * width, width, dtype=torch.int32, device=device),
+        kv_len=kv_len.to(torch.int32),
+        kv_first_pos=q_pos + 1 - kv_len,
+        write_slots=q_pos,  # unused: the K/V are already stored
+        page_size=page_size,
+        q_bounds=tuple((i, 1) for i in range(b)),  # sizes the grid; no value is read on the host
+        kv_bounds=(),
+    )
+    return decode_attention_triton(q, k_cache, v_cache, batch, sliding_window or None, sinks)
+
+
+@_paged_decode_attention_op.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, page_size: int,
+      kv_len: torch.Tensor, q_pos: torch.Tensor, sliding_window: int, sinks: torch.Tensor | None) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    kv_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Drop-in for ``paged_decode_attention_torch``. A custom op, so a compiled
+    forward calls the kernel as one opaque node and a CUDA graph captures it."""
+    return torch.ops.swallow.paged_decode_attention(q, k_cache, v_cache, pages, page_size, kv_len, q_pos,
+                                                    sliding_window or 0, sinks)

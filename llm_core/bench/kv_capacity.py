@@ -69,7 +69,7 @@ def kv_capacity(
             "full_pool_tokens": allocator.full.capacity,
             "swa_pool_tokens": allocator.swa.capacity,
             "pool_bytes": pool_bytes,
-            "pool_tensor_shapes": {"full_k": list(pools.full_k.shape), "swa_k": list(pools.swa_k.shape)},
+            "pool_tensor_shapes": pools.shapes,
         }
     theoretical = all_full_bytes / hybrid_bytes
     gain = results["hybrid"]["max_requests"] / max(results["full"]["max_requests"], 1)

@@ -24,9 +24,14 @@ def make_workload(num_requests: int, vocab: int, seed: int) -> tuple[list[list[i
     return prompts, outputs
 
 
-def run_swallow(model_dir: Path, prompts: list[list[int]], out_lens: list[int]) -> tuple[float, list[list[int]]]:
-    llm = LLM(model_dir)
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up
+def run_swallow(model_dir: Path, prompts: list[list[int]], out_lens: list[int],
+                compile: bool = True) -> tuple[float, list[list[int]]]:
+    llm = LLM(model_dir, compile=compile)
+    # Warm-up, untimed: decode batches of one and of several requests, the
+    # two graphs a compiled forward has (torch specialises size 1).
+    warm = [prompts[0][:20], prompts[-1][:24]]
+    llm.generate(warm, [SamplingParams(max_tokens=4, ignore_eos=True), SamplingParams(max_tokens=8, ignore_eos=True)])
+    llm.flush_cache()  # the timed run must not hit the warm-up's prefixes
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -63,13 +68,17 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], out_lens: list[i
     return elapsed, [out[i, longest : longest + n].tolist() for i, n in enumerate(out_lens)]
 
 
-def throughput(seed: int = 0, num_requests: int = 32, repeats: int = 2) -> dict[str, Any]:
+def throughput(seed: int = 0, num_requests: int = 32, repeats: int = 2, compile: bool = True) -> dict[str, Any]:
+    """``compile``: Swallow's decode forward under torch.compile (as served);
+    its eager figure is measured in the same run either way."""
     config = tiny()
     prompts, out_lens = make_workload(num_requests, config.vocab_size, seed)
     useful = sum(out_lens)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_checkpoint(Path(tmp) / "model", config, seed=seed)
-        ours_s, ours = best_of(repeats, run_swallow, model_dir, prompts, out_lens)
+        ours_s, ours = best_of(repeats, run_swallow, model_dir, prompts, out_lens, compile)
+        eager_s, eager = (ours_s, ours) if not compile else best_of(repeats, run_swallow, model_dir, prompts,
+                                                                     out_lens, False)
         theirs_s, theirs = best_of(repeats, run_transformers, model_dir, prompts, out_lens)
     # Left padding changes the reference's float rounding; report agreement rather than assert it.
     first = min(8, *out_lens)
@@ -81,7 +90,10 @@ def throughput(seed: int = 0, num_requests: int = 32, repeats: int = 2) -> dict[
         "torch_threads": torch.get_num_threads(),
         "prompt_tokens": sum(len(p) for p in prompts),
         "output_tokens": useful,
+        "compile": compile,
         "swallow_seconds": round(ours_s, 3),
+        "swallow_eager_tokens_per_s": round(useful / eager_s, 1),
+        "compiled_matches_eager": ours == eager,
         "transformers_seconds": round(theirs_s, 3),
         "swallow_tokens_per_s": round(useful / ours_s, 1),
         "transformers_tokens_per_s": round(useful / theirs_s, 1),

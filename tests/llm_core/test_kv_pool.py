@@ -87,7 +87,7 @@ def test_truncate_rolls_back_positions() -> None:
 def test_sizing_and_meta_tensors_for_a_model_that_does_not_fit() -> None:
     config = mimo_v2_flash()
     tensors = KVCacheTensors(config, 1 << 20, 1 << 16, torch.bfloat16, "meta")
-    assert tensors.full_k.device.type == "meta"
+    assert tensors.device.type == "meta" and tensors.layer(0)[1].device.type == "meta"
     # 9 full layers x 4 KV heads x (192 + 128) x 2 bytes; 39 SWA + 3 MTP layers x 8 heads.
     assert tensors.full_bytes_per_token == 9 * 4 * 320 * 2
     assert tensors.swa_bytes_per_token == 42 * 8 * 320 * 2

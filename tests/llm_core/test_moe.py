@@ -44,3 +44,15 @@ def test_grouped_products_are_used_only_where_they_run() -> None:
     shifted = torch.empty(4 * 32 * 32 + 1)[1:].view(4, 32, 32)  # data 4 bytes off alignment
     assert not _grouped_mm_runs(x, shifted, experts.down_proj)
     assert not _grouped_mm_runs(x.half(), experts.gate_up_proj.half(), experts.down_proj.half())
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (33, 2), (64, 4)])
+def test_dense_experts_for_traced_forwards_match_the_dispatched_ones(tokens: int, top_k: int) -> None:
+    experts = _experts(8, 64, 32, torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, 64, generator=gen)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    with torch.inference_mode():
+        torch.testing.assert_close(experts._dense(x, weights, ids), experts._dispatched(x, weights, ids),
+                                   atol=1e-5, rtol=1e-5)

@@ -243,3 +243,26 @@ def test_engine_on_triton_attention_generates_what_the_torch_path_does(ta: Modul
     assert triton_path.engine.attention_fn is ta.paged_attention_triton
     expected = [o.token_ids for o in torch_path.generate(prompts, params)]
     assert [o.token_ids for o in triton_path.generate(prompts, params)] == expected
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_op_matches_torch_decode_path(ta: ModuleType, page_size: int, window: int | None,
+                                             dtype: torch.dtype) -> None:
+    from tests.llm_core.test_decode_attention import make_decode_case
+
+    from llm_core.paged_attention import paged_decode_attention_torch
+
+    kv_lens = [1, 7, 13, 4, 9]
+    q, k_cache, v_cache, pages, sinks = make_decode_case(kv_lens, page_size, 4, 2, 48, 32, True)
+    q, k_cache, v_cache = (x.to(device=DEVICE, dtype=dtype) for x in (q, k_cache, v_cache))
+    pages, sinks = pages.to(DEVICE), sinks.to(DEVICE)
+    kv_len = torch.tensor(kv_lens, device=DEVICE)
+    q_pos = torch.tensor([0, 30, 12, 100, 8], device=DEVICE)
+    ref = paged_decode_attention_torch(q, k_cache, v_cache, pages, page_size, kv_len, q_pos, window, sinks)
+    # Metadata columns of one [B, fields] tensor, as the engine passes them: strided.
+    meta = torch.stack((kv_len, q_pos), dim=1)
+    kv_len, q_pos = meta[:, 0], meta[:, 1]
+    check(ta.paged_decode_attention_triton(q, k_cache, v_cache, pages, page_size, kv_len, q_pos, window, sinks),
+          ref, dtype)

@@ -11,7 +11,8 @@ def test_workload_shape() -> None:
 
 
 def test_throughput_benchmark_runs_both_sides() -> None:
-    result = throughput(seed=1, num_requests=3, repeats=1)
+    result = throughput(seed=1, num_requests=3, repeats=1, compile=False)
     assert result["swallow_tokens_per_s"] > 0 and result["transformers_tokens_per_s"] > 0
     assert abs(result["ratio"] - result["transformers_seconds"] / result["swallow_seconds"]) < 0.01 * result["ratio"]
     assert result["output_tokens"] == sum(make_workload(3, 512, seed=1)[1])
+    assert result["compiled_matches_eager"] and result["compile"] is False

@@ -1,0 +1,70 @@
+"""The decode forward is one graph: torch.compile(fullgraph=True) traces it
+without a break, on CPU, for every batch size and context it meets, and the
+compiled engine generates what the eager one does."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_core.checkpoint import write_random_checkpoint
+from llm_core.engine import compiled_decode_logits, decode_logits
+from llm_core.llm import LLM
+from llm_core.paged_attention import DecodeAttentionBackend
+from llm_core.presets import tiny
+from llm_core.sampling import SamplingParams
+
+PROMPTS = [list(range(20, 45)), list(range(50, 90)), list(range(100, 119))]
+
+
+@pytest.fixture(scope="module")
+def two_layer_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Small enough that inductor compiles it in seconds: one full and one SWA layer, MoE on the second."""
+    config = replace(tiny(), num_hidden_layers=2, layer_types=("full", "sliding"), mlp_layer_types=("dense", "sparse"))
+    return write_random_checkpoint(tmp_path_factory.mktemp("two_layer") / "model", config, seed=3)
+
+
+def _in_decode(llm: LLM, prompts: list[list[int]]) -> list:  # noqa: ANN401 - scheduled chunks
+    for prompt in prompts:
+        llm.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine = llm.engine
+    while not all(seq.in_decode for seq in engine.scheduler.running) or len(engine.scheduler.running) < len(prompts):
+        engine.step()
+    return engine.scheduler.schedule()
+
+
+def test_decode_forward_traces_whole_and_does_not_recompile(two_layer_checkpoint: Path) -> None:
+    llm = LLM(two_layer_checkpoint)
+    engine = llm.engine
+    chunks = _in_decode(llm, PROMPTS)
+    torch._dynamo.reset()
+    compiled = compiled_decode_logits(backend="aot_eager")
+    with torch.inference_mode():
+        for batch in (chunks, chunks[:2]):  # two batch sizes, contexts of 19 to 40 tokens
+            step = engine.prepare_step(batch)
+            assert isinstance(step.backend, DecodeAttentionBackend)
+            eager = decode_logits(engine.model, step.input_ids, step.positions, step.backend)
+            # fullgraph: a graph break raises; after the first size, a recompile does too.
+            with torch._dynamo.config.patch(error_on_recompile=batch is not chunks):
+                traced = compiled(engine.model, step.input_ids, step.positions, step.backend)
+            torch.testing.assert_close(traced, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_steps_take_the_tensor_only_path_and_prefill_does_not(hf_checkpoint: Path) -> None:
+    llm = LLM(hf_checkpoint, chunked_prefill_size=8)
+    llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4))
+    engine = llm.engine
+    chunks = engine.scheduler.schedule()
+    assert chunks[0].length == 8
+    assert not isinstance(engine.prepare_step(chunks).backend, DecodeAttentionBackend)
+
+
+def test_compiled_engine_generates_what_the_eager_one_does(two_layer_checkpoint: Path) -> None:
+    # Equal lengths keep every decode batch at 3 requests: one graph to compile.
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    eager = LLM(two_layer_checkpoint).generate(PROMPTS, params)
+    compiled = LLM(two_layer_checkpoint, compile=True).generate(PROMPTS, params)
+    assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]

@@ -1,0 +1,79 @@
+"""The decode-only attention path (``DecodeBatch``): whole pages gathered, one
+query per request, tensor-only metadata, against the reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llm_core.attention import attention_reference
+from llm_core.paged_attention import paged_decode_attention_torch
+
+
+def make_decode_case(
+    kv_lens: list[int], page_size: int, hq: int, hkv: int, d: int, dv: int, with_sinks: bool, seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """Requests whose last kv_len keys sit in shuffled pages; every slot not
+    holding a key is NaN, so reading padding or a wrong slot shows."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    widest = max(-(-n // page_size) for n in kv_lens)
+    num_pages = sum(-(-n // page_size) for n in kv_lens) + 3
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    pages = torch.zeros(len(kv_lens), widest, dtype=torch.int32)
+    k_cache = torch.full((num_pages * page_size, hkv, d), float("nan"))
+    v_cache = torch.full((num_pages * page_size, hkv, dv), float("nan"))
+    for b, n in enumerate(kv_lens):
+        own = [free.pop() for _ in range(-(-n // page_size))]
+        pages[b, : len(own)] = torch.tensor(own)
+        slots = (torch.tensor(own)[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
+        k_cache[slots] = torch.randn(n, hkv, d, generator=gen)
+        v_cache[slots] = torch.randn(n, hkv, dv, generator=gen)
+    q = torch.randn(len(kv_lens), hq, d, generator=gen)
+    sinks = torch.randn(hq, generator=gen) if with_sinks else None
+    return q, k_cache, v_cache, pages, sinks
+
+
+def reference(q, k_cache, v_cache, pages, page_size, kv_len, q_pos, window, sinks) -> torch.Tensor:  # noqa: ANN001
+    out = []
+    for b in range(q.shape[0]):
+        n = int(kv_len[b])
+        slots = (pages[b].long()[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
+        pos = int(q_pos[b])
+        k_pos = torch.arange(pos + 1 - n, pos + 1)
+        out.append(attention_reference(q[b : b + 1], k_cache[slots], v_cache[slots], q_pos[b : b + 1], k_pos,
+                                       window, sinks))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 1)])
+def test_decode_attention_matches_reference(page_size: int, window: int | None, with_sinks: bool, hq: int,
+                                            hkv: int) -> None:
+    kv_lens = [1, 7, 13, 4, 9]
+    q, k_cache, v_cache, pages, sinks = make_decode_case(kv_lens, page_size, hq, hkv, 16, 8, with_sinks)
+    kv_len = torch.tensor(kv_lens)
+    q_pos = torch.tensor([0, 30, 12, 100, 8])  # keys are each request's last kv_len positions
+    out = paged_decode_attention_torch(q, k_cache, v_cache, pages, page_size, kv_len, q_pos, window, sinks)
+    assert torch.isfinite(out).all()
+    ref = reference(q, k_cache, v_cache, pages, page_size, kv_len, q_pos, window, sinks)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_off_by_one_in_the_key_positions_is_caught() -> None:
+    kv_lens = [6, 9]
+    q, k_cache, v_cache, pages, sinks = make_decode_case(kv_lens, 4, 2, 1, 16, 8, True, seed=1)
+    kv_len, q_pos = torch.tensor(kv_lens), torch.tensor([20, 8])
+    ref = reference(q, k_cache, v_cache, pages, 4, kv_len, q_pos, None, sinks)
+    assert torch.allclose(paged_decode_attention_torch(q, k_cache, v_cache, pages, 4, kv_len, q_pos, None, sinks), ref,
+                          atol=1e-5)
+    # One key too few (the oldest dropped), or the window one too narrow: both must show.
+    fewer = paged_decode_attention_torch(q, k_cache, v_cache, pages, 4, kv_len - 1, q_pos, None, sinks)
+    assert not torch.allclose(fewer, ref, atol=1e-3)
+    narrower = paged_decode_attention_torch(q, k_cache, v_cache, pages, 4, kv_len, q_pos, 5, sinks)
+    assert not torch.allclose(narrower, reference(q, k_cache, v_cache, pages, 4, kv_len, q_pos, 6, sinks), atol=1e-3)
