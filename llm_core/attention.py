@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from llm_core.config import AttentionSpec
 
@@ -73,6 +74,61 @@ def attention_reference(
         out = torch.matmul(probs.to(vh.dtype), vh)  # [Hkv, G, b, Dv]
         outputs.append(out.permute(2, 0, 1, 3).reshape(b, hq, -1))
     return torch.cat(outputs, dim=0)
+
+
+def attention_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    causal_from_zero: bool = False,
+) -> torch.Tensor:
+    """``attention_reference`` through torch's fused SDPA kernel.
+
+    ``causal_from_zero``: the caller knows query i sits at key i (a prompt
+    with no prefix), so the kernel may skip the masked half instead of
+    reading a mask.
+    """
+    causal = causal_from_zero and sliding_window is None and sinks is None
+    visible = None
+    if not causal:
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+    out = sdpa_with_sinks(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                          None if visible is None else visible[None], sinks)
+    return out[0].transpose(0, 1)
+
+
+def sdpa_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """q [N, Hq, n, D], k [N, Hkv, m, D], v [N, Hkv, m, Dv], visible [N, n, m]
+    (None: causal from key 0) -> [N, Hq, n, Dv].
+
+    A sink is a zero key whose score the mask sets to the sink logit: it joins
+    the denominator and adds nothing to the output. Equal Q/K and V head dims
+    keep SDPA on its flash kernel, so V is zero-padded and the output sliced.
+    """
+    batch, hq, n, d = q.shape
+    hkv, m, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if dv < d:
+        v = F.pad(v, (0, d - dv))
+    mask: torch.Tensor | None = None if visible is None else visible[:, None]
+    if sinks is not None:
+        if visible is None:
+            visible = torch.ones(n, m, dtype=torch.bool, device=q.device).tril_(m - n)[None]
+        k = torch.cat((k, k.new_zeros(batch, hkv, 1, d)), dim=2)
+        v = torch.cat((v, v.new_zeros(batch, hkv, 1, v.shape[-1])), dim=2)
+        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+        sink_col = sinks.to(q.dtype)[None, :, None, None].expand(batch, hq, n, 1)
+        mask = torch.cat((bias[:, None].expand(batch, hq, n, m), sink_col), dim=-1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=d**-0.5,
+                                         enable_gqa=hq != hkv)
+    return out[..., :dv]
 
 
 def softmax_with_sinks(scores: torch.Tensor, sink_logits: torch.Tensor | None) -> torch.Tensor:

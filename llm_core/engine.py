@@ -132,6 +132,11 @@ def resolve_decode_attention(impl: AttentionImpl, device: torch.device) -> Decod
         from llm_core.triton_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton
+    if impl == "auto" and device.type == "cpu":
+        from llm_core import cpu_attention
+
+        if cpu_attention.available():
+            return cpu_attention.paged_decode_attention_cpu
     return paged_decode_attention_torch
 
 

@@ -18,7 +18,7 @@ from functools import cached_property
 
 import torch
 
-from llm_core.attention import softmax_with_sinks, attention_reference
+from llm_core.attention import attention_fused, sdpa_with_sinks, softmax_with_sinks
 from llm_core.config import AttentionSpec, ModelConfig
 from llm_core.device import to_device
 
@@ -184,8 +184,9 @@ def paged_attention_torch(
             continue
         slots = batch.key_slots(b)
         k_pos = torch.arange(first, first + nk, device=q.device)
-        out[q0 : q0 + nq] = attention_reference(
-            q[q0 : q0 + nq], k_cache[slots], v_cache[slots], batch.q_pos[q0 : q0 + nq], k_pos, sliding_window, sinks
+        out[q0 : q0 + nq] = attention_fused(
+            q[q0 : q0 + nq], k_cache[slots], v_cache[slots], batch.q_pos[q0 : q0 + nq], k_pos, sliding_window, sinks,
+            causal_from_zero=first == 0 and nk == nq,
         )
     return out
 
@@ -213,9 +214,7 @@ def _windowed_attention_torch(
     the keys its queries' windows span (positions first - W + 1 .. last), all
     blocks of the batch in one batched product."""
     device, block = q.device, _WINDOW_BLOCK
-    t, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    group = hq // hkv
+    t, hq, _ = q.shape
     starts = [(b, q0 + i, n - i) for b, (q0, n) in enumerate(batch.q_bounds) for i in range(0, n, block)]
     request = torch.tensor([b for b, _, _ in starts], device=device)
     first_row = torch.tensor([row for _, row, _ in starts], device=device)
@@ -231,18 +230,14 @@ def _windowed_attention_torch(
     index = torch.where(key_ok, index, 0)
     entry = batch.kv_start[request].long()[:, None] + index // batch.page_size
     slots = batch.kv_table[entry].long() * batch.page_size + index % batch.page_size
-    keys, values = k_cache[slots], v_cache[slots]  # [nb, span, Hkv, D|Dv]
-    values = torch.where(key_ok[:, :, None, None], values, 0.0)
     visible = key_ok[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
     visible &= (q_pos[:, :, None] - key_pos[:, None, :]) < window  # [nb, block, span]
-    qb = q[rows].view(-1, block, hkv, group, d)
-    scores = torch.einsum("nqhgd,nkhd->nhgqk", qb, keys) * d**-0.5
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    sink_logits = None if sinks is None else sinks.view(1, hkv, group, 1, 1)
-    probs = softmax_with_sinks(scores, sink_logits)
-    out_blocks = torch.einsum("nhgqk,nkhd->nqhgd", probs.to(values.dtype), values).reshape(-1, block, hq,
-                                                                                           values.shape[-1])
-    out = q.new_empty(t, hq, values.shape[-1])
+    # Padding query rows see nothing but would make a row of -inf (NaN): let them see key 0.
+    visible[:, :, 0] |= ~row_ok
+    qb = q[rows].transpose(1, 2)  # [nb, Hq, block, D]
+    out_blocks = sdpa_with_sinks(qb, k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2), visible, sinks)
+    out_blocks = out_blocks.transpose(1, 2)  # [nb, block, Hq, Dv]
+    out = q.new_empty(t, hq, out_blocks.shape[-1])
     out[rows[row_ok]] = out_blocks[row_ok]
     return out
 

@@ -77,3 +77,38 @@ def test_off_by_one_in_the_key_positions_is_caught() -> None:
     assert not torch.allclose(fewer, ref, atol=1e-3)
     narrower = paged_decode_attention_torch(q, k_cache, v_cache, pages, 4, kv_len, q_pos, 5, sinks)
     assert not torch.allclose(narrower, reference(q, k_cache, v_cache, pages, 4, kv_len, q_pos, 6, sinks), atol=1e-3)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 1), (8, 2)])
+def test_cpu_kernel_matches_the_torch_decode_path(page_size: int, window: int | None, with_sinks: bool, hq: int,
+                                                  hkv: int) -> None:
+    from llm_core import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    kv_lens = [1, 7, 13, 4, 40, 9, 100]  # up to 100: several 32-key blocks and pages
+    q, k_cache, v_cache, pages, sinks = make_decode_case(kv_lens, page_size, hq, hkv, 48, 32, with_sinks)
+    kv_len = torch.tensor(kv_lens)
+    q_pos = torch.tensor([0, 30, 12, 100, 39, 8, 200])
+    ref = paged_decode_attention_torch(q, k_cache, v_cache, pages, page_size, kv_len, q_pos, window, sinks)
+    for table in (pages, pages.long()):
+        out = cpu_attention.paged_decode_attention_cpu(q, k_cache, v_cache, table, page_size, kv_len, q_pos, window,
+                                                       sinks)
+        assert torch.isfinite(out).all()  # NaN slots are never read
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    half = cpu_attention.paged_decode_attention_cpu(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), pages,
+                                                    page_size, kv_len, q_pos, window, sinks)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), ref, atol=5e-2, rtol=5e-2)
+
+
+def test_engine_on_cpu_decodes_through_the_kernel_where_it_builds(hf_checkpoint) -> None:  # noqa: ANN001
+    from llm_core import LLM, cpu_attention
+    from llm_core.paged_attention import paged_decode_attention_torch as torch_path
+
+    expected = cpu_attention.paged_decode_attention_cpu if cpu_attention.available() else torch_path
+    assert LLM(hf_checkpoint).engine.decode_attention_fn is expected
+    assert LLM(hf_checkpoint, attention="torch").engine.decode_attention_fn is torch_path

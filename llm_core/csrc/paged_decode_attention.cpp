@@ -1,0 +1,164 @@
+// Decode attention over paged KV pools on the CPU: one query per request,
+// K/V read in place through the page table (never gathered into a copy), an
+// online softmax per query head, a GQA group sharing each K/V load.
+//
+// q [B, Hq, D]; k_cache [S, Hkv, D]; v_cache [S, Hkv, Dv]; pages [B, P] page
+// ids (int32 or int64); kv_len [B]: request b's keys are its last kv_len[b]
+// positions up to q_pos[b], key i at slot pages[b][i / page] * page + i % page.
+// window > 0 keeps keys with q_pos - k_pos < window. sinks [Hq] (optional)
+// join each head's softmax denominator as one more logit with no value.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // keys per block: scores, then one vectorised pass of exps
+
+// exp(x) for x <= 0 to ~2 ulp: 2^(x log2 e) split into integer and fraction,
+// the fraction through a degree-6 polynomial. Plain arithmetic, so a simd loop
+// vectorises it (std::exp does not without -ffast-math).
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -126.0f) * 1.4426950408889634f;
+  const float whole = std::floor(t);
+  const float f = t - whole;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename scalar_t, typename page_t>
+void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* v, const page_t* pages,
+                   const int64_t* kv_len, const float* sinks, scalar_t* out,
+                   int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t dv, int64_t width,
+                   int64_t page, int64_t window, int64_t k_stride0, int64_t k_stride1,
+                   int64_t v_stride0, int64_t v_stride1) {
+  const int64_t group = hq / hkv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * dv), m(group), l(group), s(group * kBlock), p(kBlock);
+    std::vector<const scalar_t*> values(kBlock);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / hkv, h = task % hkv;
+      const int64_t n = kv_len[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;  // q_pos - k_pos < window
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* qrow = q + (b * hq + h * group + g) * d;
+        for (int64_t c = 0; c < d; ++c) qf[g * d + c] = static_cast<float>(qrow[c]) * scale;
+        // A sink starts the softmax: max = sink, denominator = exp(0) = 1.
+        m[g] = sinks ? sinks[h * group + g] : -std::numeric_limits<float>::infinity();
+        l[g] = sinks ? 1.0f : 0.0f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const page_t* row = pages + b * width;
+      // Key lo's page and offset, then stepped along: no division per key.
+      int64_t page_index = lo / page, offset = lo % page;
+      for (int64_t i0 = lo; i0 < n; i0 += kBlock) {
+        const int64_t count = std::min(kBlock, n - i0);
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t slot = static_cast<int64_t>(row[page_index]) * page + offset;
+          if (++offset == page) {
+            offset = 0;
+            ++page_index;
+          }
+          const scalar_t* key = k + slot * k_stride0 + h * k_stride1;
+          values[j] = v + slot * v_stride0 + h * v_stride1;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * d;
+            float dot = 0.0f;
+            // A vectorised reduction: its order is fixed at compile time, so a
+            // row's result depends on nothing but its own inputs.
+#pragma omp simd reduction(+ : dot)
+            for (int64_t c = 0; c < d; ++c) dot += qg[c] * static_cast<float>(key[c]);
+            s[g * kBlock + j] = dot;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float* sg = s.data() + g * kBlock;
+          float block_max = sg[0];
+          for (int64_t j = 1; j < count; ++j) block_max = std::max(block_max, sg[j]);
+          float* a = acc.data() + g * dv;
+          if (block_max > m[g]) {  // a new max: rescale what was summed so far
+            const float c = std::exp(m[g] - block_max);
+            l[g] *= c;
+            for (int64_t j = 0; j < dv; ++j) a[j] *= c;
+            m[g] = block_max;
+          }
+          const float mg = m[g];
+          float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+          for (int64_t j = 0; j < count; ++j) {
+            p[j] = exp_nonpositive(sg[j] - mg);
+            total += p[j];
+          }
+          l[g] += total;
+          for (int64_t j = 0; j < count; ++j) {
+            const scalar_t* value = values[j];
+            const float pj = p[j];
+#pragma omp simd
+            for (int64_t c = 0; c < dv; ++c) a[c] += pj * static_cast<float>(value[c]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* o = out + (b * hq + h * group + g) * dv;
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int64_t j = 0; j < dv; ++j) o[j] = static_cast<scalar_t>(acc[g * dv + j] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor pages, int64_t page_size, torch::Tensor kv_len,
+                                     torch::Tensor q_pos, int64_t window, std::optional<torch::Tensor> sinks) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "K/V rows must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q, K and V must share a dtype");
+  q = q.contiguous();
+  pages = pages.contiguous();
+  kv_len = kv_len.to(torch::kLong).contiguous();
+  q_pos = q_pos.to(torch::kLong).contiguous();
+  torch::Tensor sink_values;
+  if (sinks.has_value()) sink_values = sinks->to(torch::kFloat).contiguous();
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t hkv = k_cache.size(1), dv = v_cache.size(2);
+  TORCH_CHECK(hq % hkv == 0 && k_cache.size(2) == d && pages.size(0) == batch, "shapes do not agree");
+  auto out = torch::empty({batch, hq, dv}, q.options());
+  const float* sink_ptr = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    auto run = [&](auto* page_ptr) {
+      decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                              page_ptr, kv_len.data_ptr<int64_t>(), sink_ptr,
+                              out.data_ptr<scalar_t>(), batch, hq, hkv, d, dv, pages.size(1), page_size, window,
+                              k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1));
+    };
+    if (pages.scalar_type() == torch::kInt) {
+      run(pages.data_ptr<int32_t>());
+    } else {
+      TORCH_CHECK(pages.scalar_type() == torch::kLong, "pages must be int32 or int64");
+      run(pages.data_ptr<int64_t>());
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention);
+}
