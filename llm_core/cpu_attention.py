@@ -82,3 +82,7 @@ def paged_decode_attention_cpu(
     """Drop-in for ``paged_decode_attention_torch`` on CPU tensors."""
     return torch.ops.swallow.paged_decode_attention_cpu(q, k_cache, v_cache, pages, page_size, kv_len, q_pos,
                                                         sliding_window or 0, sinks)
+
+
+if __name__ == "__main__":  # `python -m llm_core.cpu_attention`: build ahead of the first engine
+    print("C++ CPU decode attention:", "built" if available() else "unavailable (the torch path is used)")
