@@ -18,6 +18,8 @@ from types import ModuleType
 
 import torch
 
+from llm_core.paged_attention import decode_attention_output
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
@@ -58,10 +60,7 @@ def _paged_decode_attention_cpu(
                                          sinks)
 
 
-@_paged_decode_attention_cpu.register_fake
-def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, page_size: int,
-      kv_len: torch.Tensor, q_pos: torch.Tensor, sliding_window: int, sinks: torch.Tensor | None) -> torch.Tensor:
-    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+_paged_decode_attention_cpu.register_fake(decode_attention_output)
 
 
 def available() -> bool:

@@ -314,6 +314,12 @@ DecodeAttentionFn = Callable[
 ]
 
 
+def decode_attention_output(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *_: object) -> torch.Tensor:
+    """The output every decode attention returns, [B, Hq, Dv] (what a compiled
+    graph needs to know of a kernel it does not trace)."""
+    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+
+
 def paged_decode_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
