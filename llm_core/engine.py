@@ -146,20 +146,29 @@ def decode_logits(model: MiMoV2ForCausalLM, input_ids: torch.Tensor, positions: 
     return model.compute_logits(model(input_ids, positions, backend))
 
 
-def compiled_decode_logits(backend: str = "inductor") -> DecodeForwardFn:
-    """``decode_logits`` under torch.compile(fullgraph=True): one graph for every
-    batch size and context (sizes 0 and 1 aside, which torch specialises)."""
-    compiled = torch.compile(decode_logits, fullgraph=True, dynamic=True, backend=backend)
+def extend_hidden(model: MiMoV2ForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+                  backend: PagedAttentionBackend, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+    """The forward of a step with prefill chunks: final hidden states."""
+    return model(input_ids, positions, backend, inputs_embeds=inputs_embeds)
 
-    def run(model: MiMoV2ForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
-            backend: DecodeAttentionBackend) -> torch.Tensor:
+
+def compiled(fn: Callable[..., torch.Tensor], backend: str = "inductor") -> Callable[..., torch.Tensor]:
+    """``fn`` under torch.compile(fullgraph=True) with dynamic shapes: one graph
+    for every batch size and context (sizes 0 and 1 aside, which torch specialises)."""
+    graph = torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)
+
+    def run(*args: Any) -> torch.Tensor:
         # Without duck sizing, two sizes that happen to be equal when a graph is
         # traced (batch and page count, say) are not assumed equal forever,
         # which would recompile it when they part.
         with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return compiled(model, input_ids, positions, backend)
+            return graph(*args)
 
     return run
+
+
+def compiled_decode_logits(backend: str = "inductor") -> DecodeForwardFn:
+    return compiled(decode_logits, backend)
 
 
 class Engine:
@@ -201,6 +210,7 @@ class Engine:
         self.attention_fn = resolve_attention(config.attention, device)
         self.decode_attention_fn = resolve_decode_attention(config.attention, device)
         self._decode_logits = compiled_decode_logits() if config.compile else decode_logits
+        self._extend_hidden = compiled(extend_hidden) if config.compile else extend_hidden
         self.graphs = self._capture_graphs()
         self._sampling: dict[int, _Sampling] = {}
         self._sequences: dict[int, Sequence] = {}
@@ -353,7 +363,7 @@ class Engine:
             # One row per chunk: the graphs and the compiled forward compute them all.
             logits = self._decode_step(step)
             return logits if len(rows) == len(chunks) else (logits[rows] if rows else None)
-        hidden = self.model(step.input_ids, step.positions, step.backend, inputs_embeds=step.inputs_embeds)
+        hidden = self._extend_hidden(self.model, step.input_ids, step.positions, step.backend, step.inputs_embeds)
         return self.model.compute_logits(hidden[rows]) if rows else None
 
     def _decode_step(self, step: StepInputs) -> torch.Tensor:

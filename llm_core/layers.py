@@ -106,6 +106,15 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    @classmethod
+    def over(cls, gate_up: torch.Tensor, down: torch.Tensor) -> RoutedExperts:
+        """Experts whose weights are the given tensors (no copy): what the opaque op runs eagerly."""
+        experts = cls(0, 0, 0)
+        experts.num_experts = gate_up.shape[0]
+        experts.gate_up_proj, experts.down_proj = nn.Parameter(gate_up, requires_grad=False), nn.Parameter(
+            down, requires_grad=False)
+        return experts
+
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
@@ -113,7 +122,10 @@ class RoutedExperts(nn.Module):
             # Traced or captured: no host sync, no data-dependent shape.
             if _grouped_mm_traces(x, self.gate_up_proj, self.down_proj):
                 return self._grouped(x, weights, expert_ids)
-            return self._dense(x, weights, expert_ids)
+            if x.shape[0] <= _DENSE_TOKENS or _capturing(x):
+                return self._dense(x, weights, expert_ids)
+            # A prefill chunk: the eager products as one opaque op (not captured).
+            return torch.ops.swallow.routed_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj)
         # Training keeps the dispatched path: its backward is plain autograd everywhere.
         if not torch.is_grad_enabled() and _grouped_mm_runs(x, self.gate_up_proj, self.down_proj):
             return self._grouped(x, weights, expert_ids)
@@ -192,6 +204,22 @@ def _grouped_mm_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor)
     hidden, intermediate = gate_up.shape[-1], down.shape[-1]
     return (hidden % aligned == 0 and intermediate % aligned == 0
             and gate_up.data_ptr() % 16 == 0 and down.data_ptr() % 16 == 0)
+
+
+# Traced batches up to this many tokens compute every expert densely (decode);
+# larger ones (prefill chunks) call the eager products as one opaque op.
+_DENSE_TOKENS = 256
+
+
+@torch.library.custom_op("swallow::routed_experts", mutates_args=())
+def _routed_experts_op(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
+                       down: torch.Tensor) -> torch.Tensor:
+    return RoutedExperts.over(gate_up, down)(x, weights, expert_ids)
+
+
+@_routed_experts_op.register_fake
+def _(x: torch.Tensor, *_: object) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def _grouped_mm_traces(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:

@@ -48,6 +48,9 @@ class PagedBatch:
     # Host copies of the per-request boundaries, so the torch path does not sync.
     q_bounds: tuple[tuple[int, int], ...]
     kv_bounds: tuple[tuple[int, int, int], ...]  # (start in kv_table, len, first_pos)
+    # The same bounds as one CPU [B, 5] tensor: how a compiled forward hands
+    # them to the attention op without guarding on their values.
+    host_bounds: torch.Tensor | None = None
 
     @staticmethod
     def build(
@@ -121,6 +124,9 @@ class PagedBatch:
             page_size=page_size,
             q_bounds=tuple(q_bounds),
             kv_bounds=tuple(zip(kv_starts, kv_lens, kv_first_positions)),
+            host_bounds=torch.tensor([(q0, n, k0, nk, f) for (q0, n), k0, nk, f in
+                                      zip(q_bounds, kv_starts, kv_lens, kv_first_positions)],
+                                     dtype=torch.int64).view(-1, 5),
         )
 
     def key_slots(self, b: int) -> torch.Tensor:
@@ -435,7 +441,60 @@ class PagedAttentionBackend:
         is_swa, k_cache, v_cache = self.tensors.layer(layer_idx)
         batch = self.swa_batch if is_swa else self.full_batch
         store_kv(k_cache, v_cache, batch.write_slots, k, v)
+        if torch.compiler.is_compiling():
+            triton = self.attention_fn is not paged_attention_torch
+            return traced_paged_attention(q, k_cache, v_cache, batch, spec.sliding_window, sinks, triton)
         return self.attention_fn(q, k_cache, v_cache, batch, spec.sliding_window, sinks)
+
+
+@torch.library.custom_op("swallow::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    kv_table: torch.Tensor,
+    kv_start: torch.Tensor,
+    kv_len: torch.Tensor,
+    kv_first_pos: torch.Tensor,
+    bounds: torch.Tensor,
+    page_size: int,
+    sliding_window: int,
+    sinks: torch.Tensor | None,
+    triton: bool,
+) -> torch.Tensor:
+    rows = bounds.tolist()
+    batch = PagedBatch(q_pos, q_start, q_len, kv_table, kv_start, kv_len, kv_first_pos, q_pos, page_size,
+                       tuple((r[0], r[1]) for r in rows), tuple((r[2], r[3], r[4]) for r in rows))
+    if triton:
+        from llm_core.triton_attention import paged_attention_triton as attention
+    else:
+        attention = paged_attention_torch
+    return attention(q, k_cache, v_cache, batch, sliding_window or None, sinks)
+
+
+@_paged_attention_op.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *_: object) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+
+
+def traced_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    triton: bool,
+) -> torch.Tensor:
+    """A mixed batch's attention as one opaque op of a compiled forward: its
+    per-request bounds travel as a CPU tensor, so no value of them is guarded."""
+    return torch.ops.swallow.paged_attention(
+        q, k_cache, v_cache, batch.q_pos, batch.q_start, batch.q_len, batch.kv_table, batch.kv_start, batch.kv_len,
+        batch.kv_first_pos, batch.host_bounds, batch.page_size, sliding_window or 0, sinks, triton,
+    )
 
 
 class DecodeAttentionBackend:

@@ -1,6 +1,6 @@
-"""The decode forward is one graph: torch.compile(fullgraph=True) traces it
-without a break, on CPU, for every batch size and context it meets, and the
-compiled engine generates what the eager one does."""
+"""The decode and extend forwards are one graph each: torch.compile(fullgraph=True)
+traces them without a break, on CPU, for every batch size and context they
+meet, and the compiled engine generates what the eager one does."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llm_core.checkpoint import write_random_checkpoint
-from llm_core.engine import compiled_decode_logits, decode_logits
+from llm_core.engine import compiled, compiled_decode_logits, decode_logits, extend_hidden
 from llm_core.llm import LLM
 from llm_core.paged_attention import DecodeAttentionBackend
 from llm_core.presets import tiny
@@ -51,6 +51,28 @@ def test_decode_forward_traces_whole_and_does_not_recompile(two_layer_checkpoint
             with torch._dynamo.config.patch(error_on_recompile=batch is not chunks):
                 traced = compiled(engine.model, step.input_ids, step.positions, step.backend)
             torch.testing.assert_close(traced, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_forward_traces_whole_and_does_not_recompile(two_layer_checkpoint: Path) -> None:
+    llm = LLM(two_layer_checkpoint, chunked_prefill_size=16, max_num_batched_tokens=40)
+    for prompt in PROMPTS:
+        llm.add_request(prompt, SamplingParams(max_tokens=4))
+    engine = llm.engine
+    torch._dynamo.reset()
+    traced = compiled(extend_hidden, backend="aot_eager")
+    with torch.inference_mode():
+        for step_index in range(2):  # two mixed batches of different sizes and chunk layouts
+            chunks = engine.scheduler.schedule()
+            step = engine.prepare_step(chunks)
+            assert not isinstance(step.backend, DecodeAttentionBackend)
+            eager = extend_hidden(engine.model, step.input_ids, step.positions, step.backend, None)
+            with torch._dynamo.config.patch(error_on_recompile=step_index > 0):
+                out = traced(engine.model, step.input_ids, step.positions, step.backend, None)
+            torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+            engine.scheduler.after_step(chunks)
+            for chunk in chunks:
+                if chunk.samples:
+                    chunk.seq.output.append(5)
 
 
 def test_decode_steps_take_the_tensor_only_path_and_prefill_does_not(hf_checkpoint: Path) -> None:

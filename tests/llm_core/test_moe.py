@@ -56,3 +56,16 @@ def test_dense_experts_for_traced_forwards_match_the_dispatched_ones(tokens: int
     with torch.inference_mode():
         torch.testing.assert_close(experts._dense(x, weights, ids), experts._dispatched(x, weights, ids),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_traced_experts_use_dense_products_for_decode_and_the_opaque_op_for_prefill() -> None:
+    experts = _experts(8, 64, 32, torch.float32)
+    traced = torch.compile(experts, fullgraph=True, dynamic=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(3)
+    for tokens in (16, 300):  # below and above the dense limit: both trace whole
+        x = torch.randn(tokens, 64, generator=gen)
+        ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2, generator=gen)
+        with torch.inference_mode():
+            torch.testing.assert_close(traced(x, weights, ids), experts._dispatched(x, weights, ids),
+                                       atol=1e-5, rtol=1e-5)
