@@ -43,7 +43,9 @@ class LLM:
         """``engine_options`` are ``EngineConfig`` fields: ``kv_budget_bytes``,
         ``swa_mode``, ``max_running_requests``, ``max_num_batched_tokens``,
         ``chunked_prefill_size``, ``page_size``, ``attention``,
-        ``enable_prefix_caching``, ``checkpoint_interval``."""
+        ``enable_prefix_caching``, ``checkpoint_interval``, ``compile``
+        (torch.compile the decode and extend forwards) and
+        ``cuda_graph_max_batch`` (CUDA graphs of decode batches up to it)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.model_dir = Path(model)
