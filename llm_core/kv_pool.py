@@ -191,12 +191,14 @@ class KVAllocator:
         view.swa_base = view.num_tokens = view.shared_full_pages = view.shared_swa_end = 0
 
     def truncate(self, view: SequenceView, new_len: int) -> None:
-        """Forget positions >= new_len (rejected speculative tokens)."""
+        """Forget positions >= new_len (rejected speculative tokens). What the
+        prefix cache owns (full pages and SWA slots alike) stays with the view:
+        only the cache may return it to the pools."""
         keep_full = max(-(-new_len // self.full.page_size), view.shared_full_pages)
         self.full.release(view.full_pages[keep_full:])
         del view.full_pages[keep_full:]
         view.rewrote_full_pages(keep_full)
-        keep_swa = max(0, new_len - view.swa_base)
+        keep_swa = max(0, new_len - view.swa_base, view.shared_swa_end - view.swa_base)
         self.swa.release(view.swa_ring[keep_swa:])
         del view.swa_ring[keep_swa:]
         view.num_tokens = min(view.num_tokens, new_len)

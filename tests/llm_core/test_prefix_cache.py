@@ -136,6 +136,7 @@ op = st.one_of(
     st.tuples(st.just("evict_swa"), st.integers(1, 40)),
     st.tuples(st.just("evict_full"), st.integers(1, 10)),
     st.tuples(st.just("lock"), st.integers(0, 3)),
+    st.tuples(st.just("lock_truncate"), st.integers(0, 3), st.integers(0, 60)),
     st.tuples(st.just("unlock"),),
 )
 
@@ -159,11 +160,16 @@ def test_random_workloads_never_false_hit_and_never_leak(ops, interval, policy, 
             sim.cache.evict_swa(o[1])
         elif o[0] == "evict_full":
             sim.cache.evict_full(o[1])
-        elif o[0] == "lock":
+        elif o[0] in ("lock", "lock_truncate"):
             view = sim.allocator.new_view()
             tokens = bases[o[1]] + [1]
             match = sim.cache.match(sim.cache.page_keys(tokens), max_pages=len(tokens) // PAGE)
             held.append((view, sim.cache.attach(view, match)))
+            if o[0] == "lock_truncate" and sim.allocator.can_grow(view, view.num_tokens + 8):
+                # Tentative tokens past the hit, then a rollback to anywhere,
+                # the cache-owned part included.
+                sim.allocator.grow(view, view.num_tokens + 8)
+                sim.allocator.truncate(view, min(o[2], view.num_tokens))
         elif o[0] == "unlock" and held:
             view, lock = held.pop(0)
             sim.cache.release(lock)
@@ -173,6 +179,24 @@ def test_random_workloads_never_false_hit_and_never_leak(ops, interval, policy, 
         sim.cache.release(lock)
         sim.allocator.free(view)
     _assert_clean(sim)
+
+
+def test_truncating_into_a_cached_prefix_returns_only_what_the_view_owns() -> None:
+    sim = _sim()
+    prompt = _tokens(50, 30)
+    sim.run(prompt, [1, 2])
+    cache, alloc = sim.cache, sim.allocator
+    view = alloc.new_view()
+    match = cache.match(cache.page_keys(prompt + [9]), max_pages=len(prompt) // PAGE)
+    lock = cache.attach(view, match)
+    assert view.shared_swa_end > view.swa_base  # the hit's SWA window belongs to the cache
+    owned_free = alloc.swa.free_slots
+    alloc.grow(view, view.num_tokens + 6)
+    alloc.truncate(view, view.swa_base + 1)  # into the cache-owned window
+    assert alloc.swa.free_slots == owned_free  # the 6 tentative slots back, nothing of the cache's
+    cache.release(lock)
+    alloc.free(view)
+    _assert_clean(sim)  # a slot owned twice would show here as more free slots than the pool has
 
 
 def test_the_shadow_check_catches_a_hit_on_freed_slots() -> None:
