@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from llm_core.paged_attention import decode_attention_output
+from llm_core.paged_attention import attention_output
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _paged_decode_attention_cpu(
                                          sinks)
 
 
-_paged_decode_attention_cpu.register_fake(decode_attention_output)
+_paged_decode_attention_cpu.register_fake(attention_output)
 
 
 def available() -> bool:

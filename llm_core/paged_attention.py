@@ -320,8 +320,8 @@ DecodeAttentionFn = Callable[
 ]
 
 
-def decode_attention_output(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *_: object) -> torch.Tensor:
-    """The output every decode attention returns, [B, Hq, Dv] (what a compiled
+def attention_output(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *_: object) -> torch.Tensor:
+    """The output every attention op returns, [T, Hq, Dv] (what a compiled
     graph needs to know of a kernel it does not trace)."""
     return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
@@ -475,9 +475,7 @@ def _paged_attention_op(
     return attention(q, k_cache, v_cache, batch, sliding_window or None, sinks)
 
 
-@_paged_attention_op.register_fake
-def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *_: object) -> torch.Tensor:
-    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+_paged_attention_op.register_fake(attention_output)
 
 
 def traced_paged_attention(

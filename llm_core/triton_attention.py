@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_core.paged_attention import PagedBatch, decode_attention_output
+from llm_core.paged_attention import PagedBatch, attention_output
 
 _LOG2E = 1.4426950408889634
 # tl.dot needs every tile side >= 16; smaller tiles use a broadcast product.
@@ -407,7 +407,7 @@ def _paged_decode_attention_op(
     return decode_attention_triton(q, k_cache, v_cache, batch, sliding_window or None, sinks)
 
 
-_paged_decode_attention_op.register_fake(decode_attention_output)
+_paged_decode_attention_op.register_fake(attention_output)
 
 
 def paged_decode_attention_triton(
