@@ -103,7 +103,7 @@ class CacheSimulator:
                         shadow.write(chunk)
                     if on_compute is not None:
                         on_compute(chunk)
-                self.scheduler.after_step(chunks)
+                self.scheduler.advance(chunks)
                 self._track_peaks()
                 if any(c.samples for c in chunks):
                     if seq.output or not output:

@@ -27,13 +27,15 @@ from llm_core.paged_attention import (
     paged_decode_attention_torch,
 )
 from llm_core.prefix_cache import RadixCache
-from llm_core.sampling import SamplingParams, SamplingPlan, SamplingRow, request_seed, sample_tokens
+from llm_core.sampling import SamplingParams, SamplingPlan, SamplingRow, request_seed, sample_tokens, verify_drafts
 from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
+from llm_core.speculative import DraftTarget, MTPDrafter, SpeculativeStats
 
 AttentionImpl = Literal["auto", "torch", "triton"]
 DecodeForwardFn = Callable[[MiMoV2ForCausalLM, torch.Tensor, torch.Tensor, DecodeAttentionBackend], torch.Tensor]
 
 log = logging.getLogger(__name__)
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class EngineConfig:
     # requests from CUDA graphs captured at start-up for padded batch sizes
     # (0: never; None: up to max_running_requests).
     cuda_graph_max_batch: int | None = None
+    # MTP speculative decoding: draft tokens verified per step (None: one per
+    # MTP layer the checkpoint has; 0: off). More than the layers reuses the last.
+    speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.swa_mode not in ("hybrid", "full"):
@@ -64,6 +69,9 @@ class EngineConfig:
             raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {self.attention!r}")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 0:
             raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
+        if self.speculative_tokens is not None and not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must be from 0 to {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.speculative_tokens}")
 
 
 @dataclass(frozen=True)
@@ -106,13 +114,23 @@ def page_slots(pages: list[int], base_page: int, page_size: int, start: int, end
 
 
 def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:
-    """Batch rows whose hidden state gives a next token: each sampling chunk's last."""
+    """Batch rows whose hidden state gives a next token: each sampling chunk's
+    last known token and its drafts."""
     rows, offset = [], 0
     for chunk in chunks:
-        offset += chunk.length
         if chunk.samples:
-            rows.append(offset - 1)
+            rows.extend(range(offset + chunk.length - 1, offset + chunk.rows))
+        offset += chunk.rows
     return rows
+
+
+def resolve_speculative_tokens(requested: int | None, num_mtp_layers: int) -> int:
+    """Drafts per step: as asked, or one per MTP layer the checkpoint has."""
+    if requested is None:
+        return num_mtp_layers
+    if requested and not num_mtp_layers:
+        raise ValueError(f"speculative_tokens={requested} needs MTP layers, and this checkpoint has none")
+    return requested
 
 
 def uses_triton(impl: AttentionImpl, device: torch.device) -> bool:
@@ -143,13 +161,17 @@ def resolve_decode_attention(impl: AttentionImpl, device: torch.device) -> Decod
 def decode_logits(model: MiMoV2ForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                   backend: DecodeAttentionBackend) -> torch.Tensor:
     """The decode forward, logits included: what is compiled and captured."""
-    return model.compute_logits(model(input_ids, positions, backend))
+    hidden = model(input_ids, positions, backend)
+    backend.store_hidden(hidden)
+    return model.compute_logits(hidden)
 
 
 def extend_hidden(model: MiMoV2ForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                   backend: PagedAttentionBackend, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
     """The forward of a step with prefill chunks: final hidden states."""
-    return model(input_ids, positions, backend, inputs_embeds=inputs_embeds)
+    hidden = model(input_ids, positions, backend, inputs_embeds=inputs_embeds)
+    backend.store_hidden(hidden)
+    return hidden
 
 
 def compiled(fn: Callable[..., torch.Tensor], backend: str = "inductor") -> Callable[..., torch.Tensor]:
@@ -178,14 +200,19 @@ class Engine:
         self.device = device
         mc = model.config
         dtype = model.lm_head.weight.dtype
-        probe = KVCacheTensors(mc, 0, 0, dtype, "meta")
+        self.num_speculative = resolve_speculative_tokens(config.speculative_tokens, mc.num_mtp_layers)
+        k = self.num_speculative
+        # Without speculation the MTP layers are never run: no KV for them.
+        kv_layout = {"mtp_layers": mc.num_mtp_layers if k else 0, "draft_depths": min(k, mc.num_mtp_layers)}
+        probe = KVCacheTensors(mc, 0, 0, dtype, "meta", **kv_layout)
         self.window = mc.sliding_attention.sliding_window or 1
         sizing = PoolSizing.from_budget(
             config.kv_budget_bytes,
             probe.full_bytes_per_token,
             probe.swa_bytes_per_token,
-            # Windows are kept from a page boundary: up to a page more per request.
-            self.window + config.page_size - 1,
+            # Windows are kept from a page boundary: up to a page more per
+            # request, and the drafts of a verify step.
+            self.window + config.page_size - 1 + k,
             config.page_size,
             config.max_running_requests,
             config.max_num_batched_tokens,
@@ -198,7 +225,7 @@ class Engine:
             config.swa_mode,
         )
         self.kv = KVCacheTensors(mc, self.allocator.full.capacity, self.allocator.swa.capacity, dtype, device,
-                                 config.page_size)
+                                 config.page_size, **kv_layout, draft_slots=k * config.max_running_requests)
         longest = min(mc.max_position_embeddings, self.allocator.full.capacity)
         self.block_table = BlockTable(-(-longest // config.page_size), device, config.max_running_requests)
         self.cache = RadixCache(self.allocator, config.checkpoint_interval) if config.enable_prefix_caching else None
@@ -212,6 +239,11 @@ class Engine:
         self._decode_logits = compiled_decode_logits() if config.compile else decode_logits
         self._extend_hidden = compiled(extend_hidden) if config.compile else extend_hidden
         self.graphs = self._capture_graphs()
+        self.drafter = MTPDrafter(model, self.kv, self.window, k, self.attention_fn, device) if k else None
+        self.spec_stats = SpeculativeStats(k)
+        # Drafts waiting for the next step's verification: tokens [k] and, for
+        # requests that sample, the distributions they were drawn from [k, vocab].
+        self._drafts: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._sampling: dict[int, _Sampling] = {}
         self._sequences: dict[int, Sequence] = {}
         # Multimodal spans of running requests only (embeddings already on the
@@ -308,23 +340,136 @@ class Engine:
             return self._isolate(chunks, exc)
         # Only now does the step count: a failed forward left every chunk as it was
         # (its KV slots are simply written again by the retry).
-        self.scheduler.after_step(chunks)
-        if logits is None:
-            return []
-        return self._sample(sampled, logits)
+        drawn = self._draw(sampled, logits) if logits is not None else {}
+        events: list[TokenEvent] = []
+        kept: list[ScheduledChunk] = []
+        ending: list[tuple[Sequence, str]] = []
+        for chunk in chunks:
+            seq = chunk.seq
+            result = drawn.get(seq.request_id, [])
+            if isinstance(result, Exception):
+                events.append(self._fail(seq, result))
+                continue
+            tokens, reason = self._keep(seq, result)
+            # Nothing acts on a draft before this: rejected ones leave both pools here.
+            self.scheduler.commit(chunk, max(0, len(tokens) - 1))
+            self._drafts.pop(seq.request_id, None)
+            seq.output.extend(tokens)
+            events += [TokenEvent(seq.request_id, t, reason if i == len(tokens) - 1 else None)
+                       for i, t in enumerate(tokens)]
+            kept.append(chunk)
+            if reason is not None:
+                ending.append((seq, reason))
+        if self.drafter is not None and kept:
+            decoding = {c.seq.request_id for c in sampled} - {seq.request_id for seq, _ in ending}
+            self._draft(kept, decoding)
+        self.scheduler.after_step(kept)
+        for seq, reason in ending:
+            self._end(seq, reason)
+        return events
 
-    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[TokenEvent]:
-        """One batched draw for every row and one device-to-host copy of the tokens;
-        if it fails, row by row, so only the rows that fail end (e.g. NaN logits)."""
-        rows = [self._sampling_row(chunk.seq) for chunk in chunks]
+    def _keep(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
+        """The tokens a request keeps of those it drew (up to a stop token or
+        max_tokens), and why it ends, if it does."""
+        stop_ids = self._sampling[seq.request_id].stop_ids
+        room = seq.max_tokens - len(seq.output)
+        for i, token in enumerate(tokens[:room]):
+            if token in stop_ids:
+                return tokens[: i + 1], "stop"
+        tokens = tokens[:room]
+        return tokens, "length" if tokens and len(seq.output) + len(tokens) >= seq.max_tokens else None
+
+    def _draw(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[int, list[int] | Exception]:
+        """Every sampling chunk's new tokens, in one batched draw and one
+        device-to-host copy; if that fails, chunk by chunk, so only the chunks
+        that fail end (e.g. NaN logits)."""
         try:
-            plan = SamplingPlan.build(rows, logits.shape[-1], logits.device)
-            tokens = sample_tokens(logits, plan).tolist()
-        except Exception as exc:  # noqa: BLE001 - narrowed to the failing rows below
+            return self._draw_batch(chunks, logits)
+        except Exception as exc:  # noqa: BLE001 - narrowed to the failing chunks below
             if len(chunks) == 1:
-                return [self._fail(chunks[0].seq, exc)]
-            return [event for i, chunk in enumerate(chunks) for event in self._sample([chunk], logits[i : i + 1])]
-        return [self._accept(chunk.seq, token) for chunk, token in zip(chunks, tokens)]
+                return {chunks[0].seq.request_id: exc}
+            out: dict[int, list[int] | Exception] = {}
+            offset = 0
+            for chunk in chunks:
+                n = chunk.drafts + 1
+                out.update(self._draw([chunk], logits[offset : offset + n]))
+                offset += n
+            return out
+
+    def _draw_batch(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[int, list[int] | Exception]:
+        rows = [self._sampling_row(chunk.seq) for chunk in chunks]
+        plan = SamplingPlan.build(rows, logits.shape[-1], logits.device)
+        most = max(chunk.drafts for chunk in chunks)
+        if most == 0:
+            tokens = sample_tokens(logits, plan).tolist()
+            return {chunk.seq.request_id: [token] for chunk, token in zip(chunks, tokens)}
+        # Each chunk's rows (its next position, then its drafts) padded to most + 1.
+        index, offset = [], 0
+        for chunk in chunks:
+            index.append([offset + min(i, chunk.drafts) for i in range(most + 1)])
+            offset += chunk.drafts + 1
+        rows_logits = logits[to_device(torch.tensor(index), logits.device)]
+        drafts, probs = self._pending_drafts(chunks, most, plan)
+        num_drafts = to_device(torch.tensor([chunk.drafts for chunk in chunks]), logits.device)
+        tokens, accepted = verify_drafts(rows_logits, drafts, num_drafts, probs, plan)
+        host = torch.cat((tokens, accepted[:, None]), dim=1).tolist()  # one copy
+        out: dict[int, list[int] | Exception] = {}
+        for chunk, row in zip(chunks, host):
+            n = row[-1]
+            if chunk.drafts:
+                self.spec_stats.record(chunk.drafts, n)
+            out[chunk.seq.request_id] = row[: n + 1]
+        return out
+
+    def _pending_drafts(self, chunks: list[ScheduledChunk], most: int,
+                        plan: SamplingPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunks' drafts [B, most] (0-padded) and the sampled rows' draft
+        distributions [S, most, vocab] (zero where a chunk has fewer)."""
+        vocab = self.model.config.vocab_size
+        tokens, probs = [], []
+        sampled = set(plan.sampled_rows.tolist()) if plan.sampled_rows is not None else set()
+        for i, chunk in enumerate(chunks):
+            pending = self._drafts.get(chunk.seq.request_id)
+            n = chunk.drafts
+            row = torch.zeros(most, dtype=torch.long, device=self.device)
+            q = torch.zeros(most, vocab, device=self.device) if i in sampled else None
+            if pending is not None and n:
+                row[:n] = pending[0][:n]
+                if q is not None and pending[1] is not None:
+                    q[:n] = pending[1][:n]
+            tokens.append(row)
+            if q is not None:
+                probs.append(q)
+        return torch.stack(tokens), torch.stack(probs) if probs else None
+
+    def _draft(self, chunks: list[ScheduledChunk], decoding: set[int]) -> None:
+        """The MTP pass: every chunk's MTP rows brought up to its computed tokens,
+        and drafts for the requests (ids in ``decoding``) that go on decoding."""
+        assert self.drafter is not None
+        targets = []
+        for chunk in chunks:
+            seq = chunk.seq
+            room = seq.max_tokens - len(seq.output) - 1  # drafts past max_tokens could never be kept
+            drafts = seq.request_id in decoding and room > 0
+            targets.append(DraftTarget(seq, self._sampling_row(seq) if drafts else None,
+                                       self._spans.get(seq.request_id, ())))
+        try:
+            result = self.drafter.run(targets)
+        except Exception as exc:  # noqa: BLE001 - drafts only speed decoding up: go on without them
+            if self._device_lost():
+                raise EngineFault(f"the {self.device} device failed: {type(exc).__name__}: {exc}") from exc
+            log.exception("the MTP draft pass failed; these requests go on without drafts")
+            return
+        if result is None:
+            return
+        sampled = result.plan.sampled_rows.tolist() if result.plan.sampled_rows is not None else []
+        probs_row = {row: i for i, row in enumerate(sampled)}
+        drafting = [t for t in targets if t.sampling is not None]
+        for i, target in enumerate(drafting):
+            seq = target.seq
+            probs = result.probs[probs_row[i]] if result.probs is not None and i in probs_row else None
+            self._drafts[seq.request_id] = (result.tokens[i], probs)
+            seq.num_drafts = min(self.num_speculative, seq.max_tokens - len(seq.output) - 1)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         sampling = self._sampling[seq.request_id]
@@ -362,7 +507,7 @@ class Engine:
         if isinstance(step.backend, DecodeAttentionBackend):
             # One row per chunk: the graphs and the compiled forward compute them all.
             logits = self._decode_step(step)
-            return logits if len(rows) == len(chunks) else (logits[rows] if rows else None)
+            return logits if len(rows) == logits.shape[0] else (logits[rows] if rows else None)
         hidden = self._extend_hidden(self.model, step.input_ids, step.positions, step.backend, step.inputs_embeds)
         return self.model.compute_logits(hidden[rows]) if rows else None
 
@@ -393,9 +538,10 @@ class Engine:
         q_ranges: list[tuple[int, int]] = []
         full_write, swa_slots, swa_write, swa_first = [], [], [], []
         for chunk in chunks:
-            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.length
-            tokens.extend(seq.token_slice(start, end))
-            q_ranges.append((start, chunk.length))
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.rows
+            tokens.extend(seq.token_slice(start, start + chunk.length))
+            tokens.extend([0] * chunk.drafts)
+            q_ranges.append((start, chunk.rows))
             view = seq.view
             full_write.append(page_slots(view.full_pages, 0, view.full_page_size, start, end))
             first = max(0, start - self.window + 1)
@@ -407,7 +553,7 @@ class Engine:
                                                  self.allocator.full.page_size, self.device)
         swa_batch = PagedBatch.build(q_ranges, swa_slots, swa_first, swa_write, self.device)
         backend = PagedAttentionBackend(self.kv, full_batch, swa_batch, self.attention_fn)
-        input_ids = to_device(torch.tensor(tokens, dtype=torch.long), self.device)
+        input_ids = self._with_drafts(chunks, to_device(torch.tensor(tokens, dtype=torch.long), self.device))
         inputs_embeds = self._embed_with_spans(chunks, input_ids) if self._spans else None
         return StepInputs(input_ids, full_batch.q_pos, backend, inputs_embeds)
 
@@ -416,21 +562,24 @@ class Engine:
         the host, one host-to-device copy, full-pool pages gathered from the
         device block table."""
         window, rows = self.window, []
-        for chunk in chunks:
-            seq, pos = chunk.seq, chunk.start
+        table_rows = self.block_table.sync([(chunk.seq.request_id, chunk.seq.view) for chunk in chunks])
+        for chunk, table_row in zip(chunks, table_rows):
+            seq = chunk.seq
             view = seq.view
             page = view.full_page_size
-            swa = view.swa_slots(max(0, pos + 1 - window), pos + 1)
-            rows.append([seq.token_slice(pos, pos + 1)[0], pos, view.full_pages[pos // page] * page + pos % page,
-                         len(swa), swa[-1], *swa, *([0] * (window - len(swa)))])
-        table_rows = self.block_table.sync([(chunk.seq.request_id, chunk.seq.view) for chunk in chunks])
-        for row, table_row in zip(rows, table_rows):
-            row.append(table_row)
+            token = seq.token_slice(chunk.start, chunk.start + 1)[0]
+            # A verify chunk's rows are queries of their own (drafts filled in below).
+            for pos in range(chunk.start, chunk.start + chunk.rows):
+                swa = view.swa_slots(max(0, pos + 1 - window), pos + 1)
+                rows.append([token if pos == chunk.start else 0, pos,
+                             view.full_pages[pos // page] * page + pos % page,
+                             len(swa), swa[-1], *swa, *([0] * (window - len(swa))), table_row])
         meta = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         # Fields as tensors of their own (not views at offsets of one), so the
         # compiled forward sees the same strides and offsets at every step.
         ids, positions, full_write, swa_len, swa_write = (meta[:, i].clone() for i in range(5))
-        widest = -(-(max(chunk.start for chunk in chunks) + 1) // self.allocator.full.page_size)
+        ids = self._with_drafts(chunks, ids)
+        widest = -(-max(chunk.start + chunk.rows for chunk in chunks) // self.allocator.full.page_size)
         batch = DecodeBatch(
             positions=positions,
             full_pages=self.block_table.table[meta[:, -1], :widest],
@@ -442,6 +591,19 @@ class Engine:
         )
         backend = DecodeAttentionBackend(self.kv, batch, self.decode_attention_fn)
         return StepInputs(ids, positions, backend, None)
+
+    def _with_drafts(self, chunks: list[ScheduledChunk], ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` with each verify chunk's draft rows set to its drafts (on the
+        device: drafts are never copied to the host before they are verified)."""
+        rows, drafts, offset = [], [], 0
+        for chunk in chunks:
+            if chunk.drafts:
+                rows.extend(range(offset + chunk.length, offset + chunk.rows))
+                drafts.append(self._drafts[chunk.seq.request_id][0][: chunk.drafts])
+            offset += chunk.rows
+        if rows:
+            ids[to_device(torch.tensor(rows), self.device)] = torch.cat(drafts)
+        return ids
 
     def _touches_span(self, chunk: ScheduledChunk) -> bool:
         start, end = chunk.start, chunk.start + chunk.length
@@ -462,7 +624,7 @@ class Engine:
                 lo, hi = max(start, span.offset), min(end, span.end)
                 if lo < hi:
                     placements.append((row + lo - start, span.embeddings[lo - span.offset : hi - span.offset]))
-            row += chunk.length
+            row += chunk.rows
         if not placements:
             return None
         # Span positions hold negative cache tokens; any valid id does for the
@@ -472,24 +634,13 @@ class Engine:
             embeds[first : first + rows.shape[0]] = rows
         return embeds
 
-    def _accept(self, seq: Sequence, token: int) -> TokenEvent:
-        sampling = self._sampling[seq.request_id]
-        seq.output.append(token)
-        reason = None
-        if token in sampling.stop_ids:
-            reason = "stop"
-        elif len(seq.output) >= seq.max_tokens:
-            reason = "length"
-        if reason is not None:
-            self._end(seq, reason)
-        return TokenEvent(seq.request_id, token, reason)
-
     def _end(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.block_table.release(seq.request_id)
         del self._sampling[seq.request_id]
         del self._sequences[seq.request_id]
         self._spans.pop(seq.request_id, None)
+        self._drafts.pop(seq.request_id, None)
 
     def flush_cache(self) -> None:
         """Drop every cached prefix no running request holds."""
@@ -522,4 +673,5 @@ class Engine:
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "speculative": self.spec_stats.as_dict(),
         }

@@ -362,6 +362,14 @@ class KVCacheTensors:
     rows of a CUDA-graph batch write their K/V. On ``device="meta"`` nothing
     is allocated, which is how capacity is measured for model shapes that do
     not fit here.
+
+    With speculative decoding (``draft_depths`` > 0) the SWA slot space also
+    holds, per slot, the hidden states the MTP layers chain on: ``hidden(0)``
+    the target's final hidden state at that position, ``hidden(j)`` MTP layer
+    j-1's output, so an MTP row can be computed from what the pool holds (on a
+    prefix-cache hit too). The MTP layers' K/V and these states also have
+    ``draft_slots`` rows past the scratch slot, where drafts that are not yet
+    tokens write theirs.
     """
 
     def __init__(
@@ -372,14 +380,18 @@ class KVCacheTensors:
         dtype: torch.dtype,
         device: torch.device | str,
         page_size: int = 1,
+        mtp_layers: int | None = None,
+        draft_depths: int = 0,
+        draft_slots: int = 0,
     ) -> None:
         full, swa = config.full_attention, config.sliding_attention
-        swa_layers = list(config.sliding_layer_ids) + [
-            config.num_hidden_layers + j for j in range(config.num_mtp_layers)
-        ]
+        mtp_layers = config.num_mtp_layers if mtp_layers is None else mtp_layers
+        mtp_ids = [config.num_hidden_layers + j for j in range(mtp_layers)]
+        swa_layers = list(config.sliding_layer_ids) + mtp_ids
         self.page_size = page_size
         self.full_scratch_page = -(-full_slots // page_size)
         self.swa_scratch_slot = swa_slots
+        self.draft_slot_base = swa_slots + 1
         full_rows = (self.full_scratch_page + 1) * page_size
         self._layers: dict[int, tuple[bool, torch.Tensor, torch.Tensor]] = {}
         for i in config.full_layer_ids:
@@ -387,10 +399,11 @@ class KVCacheTensors:
                                                   device=device),
                                torch.zeros(full_rows, full.num_kv_heads, full.v_head_dim, dtype=dtype, device=device))
         for i in swa_layers:
-            self._layers[i] = (True, torch.zeros(swa_slots + 1, swa.num_kv_heads, swa.head_dim, dtype=dtype,
-                                                 device=device),
-                               torch.zeros(swa_slots + 1, swa.num_kv_heads, swa.v_head_dim, dtype=dtype,
-                                           device=device))
+            rows = swa_slots + 1 + (draft_slots if i in mtp_ids else 0)
+            self._layers[i] = (True, torch.zeros(rows, swa.num_kv_heads, swa.head_dim, dtype=dtype, device=device),
+                               torch.zeros(rows, swa.num_kv_heads, swa.v_head_dim, dtype=dtype, device=device))
+        self._hidden = [torch.zeros(swa_slots + 1 + draft_slots, config.hidden_size, dtype=dtype, device=device)
+                        for _ in range(draft_depths)]
         self.shapes = {
             "full_k": [len(config.full_layer_ids), full_rows, full.num_kv_heads, full.head_dim],
             "swa_k": [len(swa_layers), swa_slots + 1, swa.num_kv_heads, swa.head_dim],
@@ -398,11 +411,26 @@ class KVCacheTensors:
         self.device = torch.device(device)
         element = torch.empty((), dtype=dtype).element_size()
         self.full_bytes_per_token = len(config.full_layer_ids) * full.kv_elements_per_token * element
-        self.swa_bytes_per_token = len(swa_layers) * swa.kv_elements_per_token * element
+        self.swa_bytes_per_token = (len(swa_layers) * swa.kv_elements_per_token
+                                    + draft_depths * config.hidden_size) * element
 
     def layer(self, layer_idx: int) -> tuple[bool, torch.Tensor, torch.Tensor]:
         """(is_swa_pool, K, V) of one layer."""
         return self._layers[layer_idx]
+
+    @property
+    def draft_depths(self) -> int:
+        return len(self._hidden)
+
+    def hidden(self, depth: int) -> torch.Tensor:
+        """[SWA slots, hidden]: the hidden state MTP depth ``depth`` reads at each slot."""
+        return self._hidden[depth]
+
+    def store_target_hidden(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Keep the target's final hidden state of each row at its SWA slot, when
+        MTP layers will chain on it (a no-op without speculative decoding)."""
+        if self._hidden:
+            self._hidden[0].index_put_((slots,), hidden.to(self._hidden[0].dtype))
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
@@ -445,6 +473,10 @@ class PagedAttentionBackend:
             triton = self.attention_fn is not paged_attention_torch
             return traced_paged_attention(q, k_cache, v_cache, batch, spec.sliding_window, sinks, triton)
         return self.attention_fn(q, k_cache, v_cache, batch, spec.sliding_window, sinks)
+
+    def store_hidden(self, hidden: torch.Tensor) -> None:
+        """The target's final hidden states of the step's rows, for the MTP layers."""
+        self.tensors.store_target_hidden(self.swa_batch.write_slots, hidden)
 
 
 @torch.library.custom_op("swallow::paged_attention", mutates_args=())
@@ -522,3 +554,7 @@ class DecodeAttentionBackend:
         store_kv(k_cache, v_cache, b.full_write, k, v)
         return self.attention_fn(q, k_cache, v_cache, b.full_pages, b.page_size, b.positions + 1, b.positions,
                                  spec.sliding_window, sinks)
+
+    def store_hidden(self, hidden: torch.Tensor) -> None:
+        """The target's final hidden states of the step's rows, for the MTP layers."""
+        self.tensors.store_target_hidden(self.batch.swa_write, hidden)

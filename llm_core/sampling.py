@@ -146,23 +146,27 @@ def sample_tokens(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
     tokens = logits.argmax(dim=-1)
     if plan.sampled_rows is None:
         return tokens
-    scaled = logits[plan.sampled_rows].float() / plan.temperature
-    noise = _gumbel(plan, scaled.shape[-1], scaled.device)
-    if plan.top_k is None or plan.top_p is None:
-        tokens[plan.sampled_rows] = (scaled + noise).argmax(dim=-1)
-        return tokens
-    # Filter in sorted order: rank < top_k, then the smallest prefix whose
-    # (top-k renormalised) mass reaches top_p; the top token always stays.
+    kept = filter_logits(logits[plan.sampled_rows].float() / plan.temperature, plan.top_k, plan.top_p)
+    tokens[plan.sampled_rows] = (kept + _gumbel(plan, kept.shape[-1], kept.device)).argmax(dim=-1)
+    return tokens
+
+
+def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """``scaled`` [S, vocab] with -inf outside each row's top-k / top-p set.
+
+    In sorted order: rank < top_k, then the smallest prefix whose (top-k
+    renormalised) mass reaches top_p; the top token always stays.
+    """
+    if top_k is None or top_p is None:
+        return scaled
     ordered, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(ordered.shape[-1], device=ordered.device)
-    ordered = ordered.masked_fill(rank >= plan.top_k, float("-inf"))
+    ordered = ordered.masked_fill(rank >= top_k, float("-inf"))
     probs = ordered.softmax(dim=-1)
-    drop = (probs.cumsum(dim=-1) - probs) >= plan.top_p
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p
     drop[:, 0] = False  # a top_p that rounds to 0 in float32 must still leave the top token
     ordered = ordered.masked_fill(drop, float("-inf"))
-    choice = (ordered + noise.gather(1, order)).argmax(dim=-1, keepdim=True)
-    tokens[plan.sampled_rows] = order.gather(1, choice).view(-1)
-    return tokens
+    return torch.empty_like(scaled).scatter_(1, order, ordered)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, offset: int) -> int:
@@ -185,11 +189,107 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _gumbel(plan: SamplingPlan, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Gumbel noise [S, vocab], a pure function of (seed, offset, token id)."""
-    key = _mix32(_mix32(_mix32(plan.seed_lo) ^ plan.seed_hi) ^ plan.offset)
+# Independent random streams of one (seed, token offset): the token drawn
+# there, a draft proposed there, and the uniform that accepts or rejects it.
+SAMPLE_STREAM, DRAFT_STREAM, ACCEPT_STREAM = 0, 1, 2
+
+
+def _key(plan: SamplingPlan, delta: torch.Tensor | int, stream: int) -> torch.Tensor:
+    """[S, 1] hash of (seed, offset + delta, stream)."""
+    offset = plan.offset if isinstance(delta, int) and delta == 0 else (plan.offset + delta) & _MASK32
+    key = _mix32(_mix32(_mix32(plan.seed_lo) ^ plan.seed_hi) ^ offset)
+    return key if stream == SAMPLE_STREAM else _mix32(key ^ ((stream * 0x632BE5AB) & _MASK32))
+
+
+def _unit(bits: torch.Tensor) -> torch.Tensor:
+    # 24 bits fit float32 exactly; +0.5 keeps u inside (0, 1).
+    return ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+def _gumbel(plan: SamplingPlan, vocab_size: int, device: torch.device, delta: torch.Tensor | int = 0,
+            stream: int = SAMPLE_STREAM) -> torch.Tensor:
+    """Gumbel noise [S, vocab], a pure function of (seed, offset + delta, stream, token id)."""
+    key = _key(plan, delta, stream)
     token_ids = torch.arange(vocab_size, device=device, dtype=torch.int64)[None, :]
     bits = _mix32(_mix32(token_ids ^ key) ^ ((key * 0x9E37) & _MASK32))
-    # 24 bits fit float32 exactly; +0.5 keeps u inside (0, 1).
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)
-    return -torch.log(-torch.log(uniform))
+    return -torch.log(-torch.log(_unit(bits)))
+
+
+def _uniforms(plan: SamplingPlan, count: int, stream: int) -> torch.Tensor:
+    """[S, count] uniforms in (0, 1), the i-th a function of (seed, offset + i, stream)."""
+    delta = torch.arange(count, device=plan.offset.device)[None, :]
+    key = _key(plan, delta, stream)
+    return _unit(_mix32(key ^ ((key * 0x9E37) & _MASK32)))
+
+
+# --------------------------------------------------------------------------------------
+# Speculative decoding: drafts and their verification, batched over requests
+# --------------------------------------------------------------------------------------
+
+
+def draw_drafts(logits: torch.Tensor, plan: SamplingPlan, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft token for every row of ``logits`` [B, vocab] (an MTP layer's, for
+    the token ``depth`` places after the request's next one) and, for rows that
+    sample, the distribution q it was drawn from ([S, vocab], the rows of
+    ``plan.sampled_rows``): greedy rows draft the argmax, the others draw from
+    q (temperature, top-k and top-p applied as to the target) with noise of
+    their own stream, so acceptance stays independent of the draw."""
+    tokens = logits.argmax(dim=-1)
+    if plan.sampled_rows is None:
+        return tokens, None
+    kept = filter_logits(logits[plan.sampled_rows].float() / plan.temperature, plan.top_k, plan.top_p)
+    tokens[plan.sampled_rows] = (kept + _gumbel(plan, kept.shape[-1], kept.device, depth, DRAFT_STREAM)).argmax(-1)
+    return tokens, kept.softmax(dim=-1)
+
+
+def verify_drafts(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    plan: SamplingPlan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept each request's drafts against the target, in one batched pass.
+
+    logits [B, k+1, vocab]: the target's at the request's next position and at
+    each draft; drafts [B, k]; num_drafts [B] (rows past it are padding);
+    draft_probs [S, k, vocab]: q of the rows that sample (``plan.sampled_rows``);
+    ``plan`` offsets count the tokens each request has so far. Returns tokens
+    [B, k+1] and accepted [B]: the request's new tokens are tokens[b, :accepted[b] + 1].
+
+    Greedy rows keep the longest run of drafts equal to the target's argmax,
+    then the target's own next token. Sampled rows accept draft i with
+    probability min(1, p/q) and, at the first rejection, draw from the
+    normalised residual max(0, p - q) (after the last draft: from p), which
+    leaves every token distributed as the target alone would draw it.
+    """
+    b, rows, _ = logits.shape
+    k = rows - 1
+    valid = torch.arange(k, device=logits.device)[None, :] < num_drafts[:, None]
+    tokens = logits.argmax(dim=-1)
+    accepted = ((drafts == tokens[:, :k]) & valid).long().cumprod(dim=1).sum(dim=1)
+    if plan.sampled_rows is None:
+        return tokens, accepted
+    rows_s = plan.sampled_rows
+    s, vocab = rows_s.shape[0], logits.shape[-1]
+    scaled = logits[rows_s].float() / plan.temperature[:, :, None]
+    repeat = (lambda t: None if t is None else t.repeat_interleave(rows, dim=0))  # noqa: E731
+    kept = filter_logits(scaled.view(s * rows, vocab), repeat(plan.top_k), repeat(plan.top_p))
+    p = kept.softmax(dim=-1).view(s, rows, vocab)
+    d = drafts[rows_s]
+    q = draft_probs if draft_probs is not None else p.new_zeros(s, k, vocab)
+    p_d = p[:, :k].gather(2, d[:, :, None]).squeeze(2)
+    q_d = q.gather(2, d[:, :, None]).squeeze(2)
+    ok = (_uniforms(plan, k, ACCEPT_STREAM) * q_d < p_d) & valid[rows_s]
+    a = ok.long().cumprod(dim=1).sum(dim=1)
+    p_a = p.gather(1, a.view(s, 1, 1).expand(s, 1, vocab)).squeeze(1)
+    q_pad = torch.cat((q, q.new_zeros(s, 1, vocab)), dim=1)
+    residual = (p_a - q_pad.gather(1, a.view(s, 1, 1).expand(s, 1, vocab)).squeeze(1)).clamp_(min=0)
+    # p == q leaves no residual mass: the rejection then had probability 0.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_a)
+    final = (residual.log() + _gumbel(plan, vocab, logits.device, a[:, None], SAMPLE_STREAM)).argmax(dim=-1)
+    index = torch.arange(rows, device=logits.device)[None, :]
+    drafted = torch.cat((d, d[:, :1]), dim=1)
+    tokens[rows_s] = torch.where(index < a[:, None], drafted, final[:, None])
+    accepted[rows_s] = a
+    return tokens, accepted

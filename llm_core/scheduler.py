@@ -28,6 +28,10 @@ class Sequence:
     finish_reason: str | None = None
     cache_lock: CacheLock | None = None  # set while it holds prefix-cache nodes
     cached_tokens: int | None = None  # prompt tokens served by the cache at first admission
+    # Speculative decoding: draft tokens waiting to be verified in the next
+    # step, and the first position whose MTP rows are not final yet.
+    num_drafts: int = 0
+    mtp_done: int = 0
 
     def tokens(self, end: int) -> list[int]:
         return self.token_slice(0, end)
@@ -63,7 +67,12 @@ class RequestTooLarge(MemoryError):
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed in this step
-    length: int
+    length: int  # known tokens computed
+    drafts: int = 0  # draft tokens verified after them (rows start + length ...)
+
+    @property
+    def rows(self) -> int:
+        return self.length + self.drafts
 
     @property
     def samples(self) -> bool:
@@ -104,10 +113,11 @@ class Scheduler:
         for seq in [s for s in self.running if s.in_decode]:
             if seq not in self.running:
                 continue  # preempted below to make room for an earlier one
-            if budget < 1 or not self._grow_or_preempt(seq, seq.num_computed + 1):
+            drafts = min(seq.num_drafts, budget - 1)
+            if budget < 1 or not self._grow_or_preempt(seq, seq.num_computed + 1 + drafts):
                 continue
-            chunks.append(ScheduledChunk(seq, seq.num_computed, 1))
-            budget -= 1
+            chunks.append(ScheduledChunk(seq, seq.num_computed, 1, drafts))
+            budget -= 1 + drafts
         for seq in [s for s in self.running if not s.in_decode]:
             if budget < 1:
                 break
@@ -150,7 +160,7 @@ class Scheduler:
         # At least one token must run to produce the next logits.
         match = self.cache.match(keys, max_pages=(seq.num_tokens - 1) // self.cache.page_size)
         seq.cache_lock = self.cache.attach(seq.view, match)
-        seq.num_computed = match.length
+        seq.num_computed = seq.mtp_done = match.length
         if seq.cached_tokens is None:
             seq.cached_tokens = match.length
             self.cache.stats.cached_prompt_tokens += match.length
@@ -179,23 +189,37 @@ class Scheduler:
     def _unpin(self, seq: Sequence) -> None:
         if seq.cache_lock is not None:
             self._release_kv(seq, insert=False)
-            seq.num_computed = 0
+            seq.num_computed = seq.mtp_done = 0
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running request's KV; it recomputes prompt + output later
         (re-matching the prefix cache)."""
         self._release_kv(seq, insert=False)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_drafts = seq.mtp_done = 0
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def commit(self, chunk: ScheduledChunk, accepted: int = 0) -> None:
+        """The chunk's known tokens and its first ``accepted`` drafts are computed;
+        the slots of rejected drafts go back to both pools."""
+        seq = chunk.seq
+        seq.num_computed = chunk.start + chunk.length + accepted
+        seq.num_drafts = 0
+        if chunk.drafts:
+            self.allocator.truncate(seq.view, seq.num_computed)
+
+    def advance(self, chunks: list[ScheduledChunk]) -> None:
+        """A step without drafts: commit every chunk, then ``after_step``."""
+        for chunk in chunks:
+            self.commit(chunk)
+        self.after_step(chunks)
+
     def after_step(self, chunks: list[ScheduledChunk]) -> None:
-        """Advance computed counts, take checkpoints, and return SWA slots
-        that left the window."""
+        """Take checkpoints and return SWA slots that left the window, once every
+        chunk is committed (and its MTP rows are final)."""
         for chunk in chunks:
             seq = chunk.seq
-            seq.num_computed = chunk.start + chunk.length
             if self.cache is not None:
                 prompt_end = len(seq.prompt) // self.allocator.full.page_size * self.allocator.full.page_size
                 for boundary in self._checkpoints_crossed(seq, chunk.start):

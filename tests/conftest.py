@@ -96,8 +96,14 @@ def _make_peaky(model: torch.nn.Module) -> None:
         model.lm_head.weight.mul_(8.0)
 
 
-def _append_mtp_shard(model_dir: Path, config: ModelConfig) -> None:
-    """transformers does not model MTP layers: add them as a second shard with an index."""
+def _random_mtp_weight(name: str, like: torch.Tensor) -> torch.Tensor:
+    return torch.randn_like(like) * 0.1 + (1.0 if name.endswith("norm.weight") else 0.0)
+
+
+def append_mtp_shard(model_dir: Path, config: ModelConfig,
+                     weight: Callable[[str, torch.Tensor], torch.Tensor] = _random_mtp_weight) -> None:
+    """transformers does not model MTP layers: add them as a second shard with an
+    index; ``weight(name, like)`` gives each MTP layer parameter (random by default)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -106,10 +112,10 @@ def _append_mtp_shard(model_dir: Path, config: ModelConfig) -> None:
     for j in range(config.num_mtp_layers):
         layer = MTPLayer(config, config.num_hidden_layers + j)
         for name, t in layer.state_dict().items():
+            value = weight(name, t)
             if name == "self_attn.sinks":
                 name = "self_attn.attention_sink_bias"
-            offset = 1.0 if name.endswith("norm.weight") else 0.0
-            tensors[f"model.mtp.layers.{j}.{name}"] = torch.randn_like(t) * 0.1 + offset
+            tensors[f"model.mtp.layers.{j}.{name}"] = value
     save_file(tensors, str(model_dir / "model-mtp.safetensors"))
     weight_map = {}
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
@@ -130,7 +136,7 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _make_peaky(model)
     model.save_pretrained(out)
     config = ModelConfig.from_json_file(out / "config.json").with_mtp_layers(REF_MTP_LAYERS)
-    _append_mtp_shard(out, config)
+    append_mtp_shard(out, config)
     return out
 
 

@@ -73,7 +73,8 @@ def _engine_at(model: MiMoV2ForCausalLM, context: int, running: int, steps: int)
     swa_tokens = running * (window + 32) + _PREFILL_TOKENS
     budget = full_tokens * probe.full_bytes_per_token + swa_tokens * probe.swa_bytes_per_token
     config = EngineConfig(kv_budget_bytes=budget, max_running_requests=running,
-                          max_num_batched_tokens=_PREFILL_TOKENS, chunked_prefill_size=_PREFILL_TOKENS)
+                          max_num_batched_tokens=_PREFILL_TOKENS, chunked_prefill_size=_PREFILL_TOKENS,
+                          speculative_tokens=0)
     engine = Engine(model, config, torch.device("meta"))
     vocab = model.config.vocab_size
     for i in range(running):
@@ -100,7 +101,7 @@ def _prefilled(engine: Engine, seq: Sequence) -> None:
 
 def _advance(engine: Engine, chunks: list[ScheduledChunk]) -> None:
     """After a step: what sampling would have appended (one token per finished chunk)."""
-    engine.scheduler.after_step(chunks)
+    engine.scheduler.advance(chunks)
     for chunk in chunks:
         if chunk.samples:
             chunk.seq.output.append(3)

@@ -69,7 +69,7 @@ def test_extend_forward_traces_whole_and_does_not_recompile(two_layer_checkpoint
             with torch._dynamo.config.patch(error_on_recompile=step_index > 0):
                 out = traced(engine.model, step.input_ids, step.positions, step.backend, None)
             torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
-            engine.scheduler.after_step(chunks)
+            engine.scheduler.advance(chunks)
             for chunk in chunks:
                 if chunk.samples:
                     chunk.seq.output.append(5)

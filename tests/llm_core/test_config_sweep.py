@@ -30,7 +30,7 @@ from llm_core.config import LayerType, ModelConfig
 from llm_core.kv_cache import ContiguousAttention, RequestKVCache, Segment
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.weights import load_model
-from tests.conftest import _append_mtp_shard, _make_peaky
+from tests.conftest import append_mtp_shard, _make_peaky
 
 VOCAB = 128
 LOGIT_TOLERANCE = 1e-4
@@ -206,7 +206,7 @@ def _write_checkpoint(example: Example, out: Path):  # -> transformers.MiMoV2Fla
     model.save_pretrained(out)
     if example.num_mtp_layers:
         config = ModelConfig.from_json_file(out / "config.json").with_mtp_layers(example.num_mtp_layers)
-        _append_mtp_shard(out, config)
+        append_mtp_shard(out, config)
     return model
 
 

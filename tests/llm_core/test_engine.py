@@ -120,10 +120,12 @@ def test_stats_report_both_pools(hf_checkpoint: Path) -> None:
     stats = LLM(hf_checkpoint, kv_budget_bytes=32 << 20).stats()
     assert stats["swa_mode"] == "hybrid"
     full, swa = stats["full_pool"], stats["swa_pool"]
-    # 2 full layers x 1 KV head x (32 + 16) x 4 bytes; 3 SWA + 1 MTP layers x 2 heads.
+    # 2 full layers x 1 KV head x (32 + 16) x 4 bytes; 3 SWA + 1 MTP layers x 2 heads,
+    # and the target's hidden state (64) the MTP layer drafts from.
     assert full["bytes_per_token"] == 2 * 1 * 48 * 4
-    assert swa["bytes_per_token"] == 4 * 2 * 48 * 4
-    assert swa["capacity_tokens"] == 64 * (REF_WINDOW + 16) + 4096  # (window + page) per request + a step
+    assert swa["bytes_per_token"] == (4 * 2 * 48 + 64) * 4
+    # (window + page + the one draft) per request + a step
+    assert swa["capacity_tokens"] == 64 * (REF_WINDOW + 17) + 4096
     assert full["capacity_tokens"] * full["bytes_per_token"] + swa["capacity_tokens"] * swa["bytes_per_token"] <= 32 << 20
 
 

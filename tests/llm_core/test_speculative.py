@@ -1,0 +1,190 @@
+"""MTP speculative decoding in the engine: greedy output identical to no
+speculation and to transformers, rollback in both pools, drafts from cached
+prefixes as from cold ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_core import LLM, SamplingParams
+from llm_core.config import ModelConfig
+from tests.conftest import REF_WINDOW, _make_peaky, append_mtp_shard, hf_reference_config
+
+NUM_MTP = 3
+MAX_NEW = 40
+LENGTHS = [3, 70, REF_WINDOW, 21, 1, REF_WINDOW + 1, 130, 45]
+PROMPTS = [
+    torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(900 + i)).tolist()
+    for i, n in enumerate(LENGTHS)
+]
+
+
+def _mtp_follows_the_token(name: str, like: torch.Tensor) -> torch.Tensor:
+    """MTP weights that predict what the target would after the token read:
+    eh_proj passes the token's (normed) embedding through, attention and MLP
+    add nothing, so the layer's logits are lm_head(norm(embed(token)))."""
+    if name == "eh_proj.weight":
+        h = like.shape[0]
+        return torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1)
+    if name.endswith("norm.weight"):
+        return torch.ones_like(like)
+    return torch.zeros_like(like)
+
+
+@pytest.fixture(scope="module")
+def draftable_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A transformers checkpoint whose next token depends mostly on the current
+    one (attention and MLP outputs scaled down), with three MTP layers that draft
+    exactly that: drafts are often, not always, right."""
+    from transformers import MiMoV2FlashForCausalLM
+
+    out = tmp_path_factory.mktemp("draftable")
+    torch.manual_seed(0)
+    model = MiMoV2FlashForCausalLM(hf_reference_config()).eval()
+    _make_peaky(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "o_proj" in name or "down_proj" in name:
+                p.mul_(0.03)
+    model.save_pretrained(out)
+    config = ModelConfig.from_json_file(out / "config.json").with_mtp_layers(NUM_MTP)
+    append_mtp_shard(out, config, _mtp_follows_the_token)
+    config_json = out / "config.json"
+    import json
+
+    data = json.loads(config_json.read_text())
+    data["num_nextn_predict_layers"] = NUM_MTP
+    config_json.write_text(json.dumps(data))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(draftable_checkpoint: Path) -> list[list[int]]:
+    from transformers import MiMoV2FlashForCausalLM
+
+    hf = MiMoV2FlashForCausalLM.from_pretrained(draftable_checkpoint, dtype=torch.float32).eval()
+    outs = []
+    for prompt in PROMPTS:
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def _assert_pools_full(llm: LLM) -> None:
+    llm.flush_cache()
+    stats = llm.stats()
+    for pool in ("full_pool", "swa_pool"):
+        assert stats[pool]["free_tokens"] == stats[pool]["capacity_tokens"], stats
+
+
+def test_default_is_one_draft_per_mtp_layer(draftable_checkpoint: Path) -> None:
+    assert LLM(draftable_checkpoint).engine.num_speculative == NUM_MTP
+    assert LLM(draftable_checkpoint, speculative_tokens=0).engine.drafter is None
+
+
+@pytest.mark.parametrize("k", [1, NUM_MTP, NUM_MTP + 2])
+def test_greedy_with_speculation_matches_transformers_at_every_batch_size(
+    draftable_checkpoint: Path, reference: list[list[int]], k: int
+) -> None:
+    llm = LLM(draftable_checkpoint, speculative_tokens=k, chunked_prefill_size=5, max_num_batched_tokens=64)
+    for batch in range(1, 9):
+        outputs = llm.generate(PROMPTS[:batch], SamplingParams(max_tokens=MAX_NEW))
+        assert [o.token_ids for o in outputs] == reference[:batch], f"batch {batch}"
+    spec = llm.stats()["speculative"]
+    # Drafts were really accepted (and rejected): both paths of the commit ran.
+    assert 1.3 < spec["mean_acceptance_length"] < k + 1, spec
+    assert spec["drafts_proposed"][0] >= spec["drafts_accepted"][0] > 0
+    _assert_pools_full(llm)
+
+
+def test_speculation_on_and_off_agree_with_a_prefix_cache_and_preemption(
+    draftable_checkpoint: Path, reference: list[list[int]]
+) -> None:
+    probe = LLM(draftable_checkpoint).stats()
+    swa_tokens = 8 * (REF_WINDOW + 16 + NUM_MTP) + 64
+    budget = probe["full_pool"]["bytes_per_token"] * 220 + probe["swa_pool"]["bytes_per_token"] * swa_tokens
+    llm = LLM(draftable_checkpoint, kv_budget_bytes=budget, max_running_requests=8, chunked_prefill_size=32,
+              max_num_batched_tokens=64)
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW))
+    assert [o.token_ids for o in outputs] == reference
+    assert llm.stats()["preemptions"] > 0
+    _assert_pools_full(llm)
+
+
+def test_abort_mid_verify_returns_every_slot(draftable_checkpoint: Path) -> None:
+    llm = LLM(draftable_checkpoint, chunked_prefill_size=16, max_num_batched_tokens=64)
+    ids = [llm.add_request(p, SamplingParams(max_tokens=MAX_NEW)) for p in PROMPTS[:4]]
+    while llm.stats()["speculative"]["verify_steps"] < 6:
+        llm.step()
+    assert any(llm.engine._drafts)  # drafts are waiting for the next verify
+    for rid in ids:
+        llm.abort(rid)
+    assert not llm.engine._drafts
+    _assert_pools_full(llm)
+
+
+def test_swa_slots_stay_within_window_chunk_page_and_drafts(draftable_checkpoint: Path) -> None:
+    chunk, page = 16, 4
+    llm = LLM(draftable_checkpoint, chunked_prefill_size=chunk, max_num_batched_tokens=64, page_size=page)
+    engine = llm.engine
+    peaks: list[int] = []
+    forward = engine._logits
+
+    def spying_forward(chunks):  # noqa: ANN001, ANN202 - sample while the step's slots are held
+        peaks.extend(c.seq.view.swa_slots_held for c in chunks)
+        return forward(chunks)
+
+    engine._logits = spying_forward  # type: ignore[method-assign]
+    llm.generate([p * 3 for p in PROMPTS[:4]], SamplingParams(max_tokens=60))
+    window = REF_WINDOW + 1
+    assert max(peaks) <= window + chunk + page + NUM_MTP
+    _assert_pools_full(llm)
+
+
+def _draft_log(llm: LLM) -> tuple[list[list[int]], list[int]]:
+    """Run one request to its end, logging the drafts waiting after every step."""
+    log: list[list[int]] = []
+    (rid,) = list(llm.engine._sequences)
+    tokens: list[int] = []
+    while llm.engine.has_unfinished():
+        tokens += [e.token for e in llm.step()]
+        pending = llm.engine._drafts.get(rid)
+        if pending is not None:
+            log.append(pending[0].tolist())
+    return log, tokens
+
+
+def test_a_cache_hit_drafts_exactly_as_the_same_prompt_served_cold(draftable_checkpoint: Path) -> None:
+    params = SamplingParams(max_tokens=30)
+    turn_one = PROMPTS[6]  # 130 tokens: checkpoints well past the window
+    warm = LLM(draftable_checkpoint, chunked_prefill_size=48, checkpoint_interval=32)
+    answer = warm.generate([turn_one], params)[0].token_ids
+    second = turn_one + answer + PROMPTS[3]
+    warm.add_request(second, params)
+    cached_log, cached_tokens = _draft_log(warm)
+    assert warm.stats()["prefix_cache"]["cached_prompt_tokens"] >= len(turn_one) // 16 * 16
+
+    cold = LLM(draftable_checkpoint, chunked_prefill_size=48, enable_prefix_caching=False)
+    cold.add_request(second, params)
+    cold_log, cold_tokens = _draft_log(cold)
+    assert cached_tokens == cold_tokens
+    assert cached_log == cold_log and len(cold_log) > 3
+
+
+def test_speculative_tokens_need_mtp_layers(tiny_checkpoint: Path) -> None:
+    config = ModelConfig.from_json_file(tiny_checkpoint / "config.json")
+    if config.num_mtp_layers:
+        pytest.skip("the tiny preset has MTP layers")
+    with pytest.raises(ValueError, match="MTP layers"):
+        LLM(tiny_checkpoint, speculative_tokens=2)
+
+
+def test_speculative_tokens_are_checked() -> None:
+    from llm_core.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="speculative_tokens"):
+        EngineConfig(speculative_tokens=-1)
