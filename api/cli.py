@@ -97,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         compile=args.device.startswith("cuda") if args.compile is None else args.compile,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
+        speculative_tokens=args.speculative_tokens,
     )
     app = create_app(model, metrics)
     print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
@@ -226,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cuda-graph-max-batch", type=int,
                        help="CUDA: replay decode batches up to this size from CUDA graphs (0: off; "
                             "default: --max-running-requests)")
+    serve.add_argument("--speculative-tokens", type=int,
+                       help="MTP speculative decoding: draft tokens verified per step (default: one per MTP layer "
+                            "the checkpoint has; 0: off)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set SWALLOW_API_KEY)")
     serve.add_argument("--max-upload-mb", type=float, default=512.0, help="largest upload or request body")
     serve.add_argument("--spool-dir", help="where uploads are written (default: a temporary directory)")

@@ -51,6 +51,15 @@ class ServerMetrics:
         )
         # A gauge, not a counter: it mirrors the engine's own running total.
         self.preemptions = Gauge("swallow_preemptions", "Requests preempted by the scheduler since start", registry=r)
+        # Gauges mirroring the engine's running totals, one series per draft position.
+        self.drafts_proposed = Gauge("swallow_spec_drafts_proposed", "MTP draft tokens verified, by draft position",
+                                     ["position"], registry=r)
+        self.drafts_accepted = Gauge("swallow_spec_drafts_accepted", "MTP draft tokens accepted, by draft position",
+                                     ["position"], registry=r)
+        self.acceptance_length = Gauge(
+            "swallow_spec_mean_acceptance_length",
+            "Tokens per speculative verify step (accepted drafts + the target's own)", registry=r,
+        )
         self.encoder_batch = Histogram(
             "swallow_encoder_batch_size", "Items per encoder batch", ["encoder"],
             buckets=ENCODER_BATCH_BUCKETS, registry=r,
@@ -91,6 +100,12 @@ class ServerMetrics:
             self.prefix_cached_tokens.set(cache.get("cached_prompt_tokens", 0))
         self.set_queue_depth(stats.get("waiting_requests", 0), stats.get("running_requests", 0))
         self.preemptions.set(stats.get("preemptions", 0))
+        spec = stats.get("speculative")
+        if spec and spec.get("num_speculative_tokens"):
+            for i, (proposed, accepted) in enumerate(zip(spec["drafts_proposed"], spec["drafts_accepted"])):
+                self.drafts_proposed.labels(position=str(i + 1)).set(proposed)
+                self.drafts_accepted.labels(position=str(i + 1)).set(accepted)
+            self.acceptance_length.set(spec.get("mean_acceptance_length") or 0.0)
 
     def _set_pool(self, pool: str, stats: dict[str, Any]) -> None:
         capacity = stats.get("capacity_tokens", 0)

@@ -44,8 +44,10 @@ class LLM:
         ``swa_mode``, ``max_running_requests``, ``max_num_batched_tokens``,
         ``chunked_prefill_size``, ``page_size``, ``attention``,
         ``enable_prefix_caching``, ``checkpoint_interval``, ``compile``
-        (torch.compile the decode and extend forwards) and
-        ``cuda_graph_max_batch`` (CUDA graphs of decode batches up to it)."""
+        (torch.compile the decode and extend forwards),
+        ``cuda_graph_max_batch`` (CUDA graphs of decode batches up to it) and
+        ``speculative_tokens`` (MTP drafts verified per step; default one per
+        MTP layer of the checkpoint, 0 turns speculative decoding off)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.model_dir = Path(model)

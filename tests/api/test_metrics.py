@@ -117,6 +117,17 @@ def test_engine_stats_without_prefix_cache_and_with_empty_pool() -> None:
     assert value(metrics, "swallow_preemptions") == 12
 
 
+def test_speculative_decoding_per_draft_position() -> None:
+    metrics = ServerMetrics()
+    spec = {"num_speculative_tokens": 3, "verify_steps": 10, "drafts_proposed": [10, 9, 9],
+            "drafts_accepted": [8, 5, 2], "acceptance_rate_per_position": [0.8, 0.56, 0.22],
+            "mean_acceptance_length": 2.5}
+    metrics.set_engine_stats(ENGINE_STATS | {"speculative": spec})
+    assert value(metrics, "swallow_spec_drafts_proposed", position="2") == 9
+    assert value(metrics, "swallow_spec_drafts_accepted", position="3") == 2
+    assert value(metrics, "swallow_spec_mean_acceptance_length") == 2.5
+
+
 def test_engine_stats_from_a_real_engine(tiny_checkpoint) -> None:
     from llm_core import LLM
 

@@ -175,12 +175,14 @@ def test_a_cache_hit_drafts_exactly_as_the_same_prompt_served_cold(draftable_che
     assert cached_log == cold_log and len(cold_log) > 3
 
 
-def test_speculative_tokens_need_mtp_layers(tiny_checkpoint: Path) -> None:
-    config = ModelConfig.from_json_file(tiny_checkpoint / "config.json")
-    if config.num_mtp_layers:
-        pytest.skip("the tiny preset has MTP layers")
+def test_speculative_tokens_need_mtp_layers(tmp_path: Path) -> None:
+    from llm_core.checkpoint import write_random_checkpoint
+    from llm_core.presets import tiny
+
+    model_dir = write_random_checkpoint(tmp_path / "model", tiny().with_mtp_layers(0), seed=0)
+    assert LLM(model_dir).engine.drafter is None  # the default: no layers, no drafts
     with pytest.raises(ValueError, match="MTP layers"):
-        LLM(tiny_checkpoint, speculative_tokens=2)
+        LLM(model_dir, speculative_tokens=2)
 
 
 def test_speculative_tokens_are_checked() -> None:
