@@ -150,6 +150,10 @@ def _bench(args: argparse.Namespace) -> int:
         result = _bench_prefix_cache(args)
     elif args.name == "load":
         result = _bench_load(args)
+    elif args.name == "mtp":
+        from api.bench_mtp import mtp_bench
+
+        result = mtp_bench(args.model or DEMO_MODEL_DIR, repeats=args.repeats, speculative_tokens=args.speculative_tokens)
     elif args.name == "step":
         from llm_core.bench.step import step_bench
 
@@ -272,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     video_qa.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
-    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step"])
+    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step", "mtp"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv, step: model shape")
     bench.add_argument("--running", type=int, default=64, help="step: running requests")
@@ -287,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, help="video: decode threads (default: usable cores)")
     bench.add_argument("--num-images", type=int, default=64, help="image: JPEGs in the batch")
     bench.add_argument("--repeats", type=int, default=2,
-                       help="throughput, encoder: best of N runs per side; load: per level")
+                       help="throughput, encoder, mtp: best of N runs per side; load: per level")
     bench.add_argument("--concurrency", type=int, default=16, help="encoder: concurrent clients")
     bench.add_argument("--encoder-requests", type=int, default=256, help="encoder: single-item requests")
     bench.add_argument("--max-wait-ms", type=float, default=5.0, help="encoder: batching window")
@@ -301,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "load: save TTFT and throughput against concurrency as a PNG here")
     bench.add_argument("--sweep", default="0.005,0.01,0.02,0.05,0.1,0.25,1.0",
                        help="prefix-cache: SWA pool fractions for --plot")
-    bench.add_argument("--model", help="load: checkpoint to serve (default: the demo model)")
+    bench.add_argument("--model", help="load, mtp: checkpoint to serve (default: the demo model)")
+    bench.add_argument("--speculative-tokens", type=int,
+                       help="mtp: drafts per step when on (default: one per MTP layer)")
     bench.add_argument("--levels", help="load: concurrency levels, comma-separated (default: 1,16,64,200)")
     bench.add_argument("--load-requests", type=int,
                        help="load: requests at every level (default: max(32, 2 x the highest level))")

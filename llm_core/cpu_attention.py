@@ -79,6 +79,9 @@ def paged_decode_attention_cpu(
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Drop-in for ``paged_decode_attention_torch`` on CPU tensors."""
+    if not torch.compiler.is_compiling():  # eager: skip the custom-op dispatch, tens of us a call
+        return load().paged_decode_attention(q, k_cache, v_cache, pages, page_size, kv_len, q_pos,  # type: ignore[union-attr]
+                                             sliding_window or 0, sinks)
     return torch.ops.swallow.paged_decode_attention_cpu(q, k_cache, v_cache, pages, page_size, kv_len, q_pos,
                                                         sliding_window or 0, sinks)
 
