@@ -159,3 +159,21 @@ def checkpoint_copy(hf_checkpoint: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "ckpt"
     shutil.copytree(hf_checkpoint, dst)
     return dst
+
+
+def hf_greedy_outputs(hf_model: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers greedy output of ``max_new`` tokens for every prompt."""
+    outs = []
+    for prompt in prompts:
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def assert_pools_full(llm: Any) -> None:
+    """Every KV slot is back in its pool once the prefix cache is flushed."""
+    llm.flush_cache()
+    stats = llm.stats()
+    for pool in ("full_pool", "swa_pool"):
+        assert stats[pool]["free_tokens"] == stats[pool]["capacity_tokens"], stats

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llm_core import LLM, SamplingParams
-from tests.conftest import REF_WINDOW
+from tests.conftest import REF_WINDOW, assert_pools_full, hf_greedy_outputs
 
 MAX_NEW = 3 * REF_WINDOW
 # Shorter and much longer than the window W=8.
@@ -22,19 +22,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def reference(hf_model) -> list[list[int]]:
     """transformers greedy output for every prompt, computed once."""
-    outs = []
-    for prompt in PROMPTS:
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-        outs.append(out[0, len(prompt):].tolist())
-    return outs
-
-
-def _assert_pools_full(llm: LLM) -> None:
-    llm.flush_cache()
-    stats = llm.stats()
-    for pool in ("full_pool", "swa_pool"):
-        assert stats[pool]["free_tokens"] == stats[pool]["capacity_tokens"], stats
+    return hf_greedy_outputs(hf_model, PROMPTS, MAX_NEW)
 
 
 @pytest.mark.parametrize("swa_mode", ["hybrid", "full"])
@@ -44,7 +32,7 @@ def test_every_batch_size_matches_transformers(hf_checkpoint: Path, reference, s
     for batch in range(1, 9):
         outputs = llm.generate(PROMPTS[:batch], SamplingParams(max_tokens=MAX_NEW))
         assert [o.token_ids for o in outputs] == reference[:batch], f"batch {batch}"
-    _assert_pools_full(llm)
+    assert_pools_full(llm)
 
 
 def test_requests_arriving_while_others_decode(hf_checkpoint: Path, reference) -> None:
@@ -63,7 +51,7 @@ def test_requests_arriving_while_others_decode(hf_checkpoint: Path, reference) -
         steps += 1
         assert steps < 1000
     assert [tokens[i] for i in range(8)] == reference
-    _assert_pools_full(llm)
+    assert_pools_full(llm)
 
 
 def test_preemption_under_memory_pressure_keeps_outputs(hf_checkpoint: Path, reference) -> None:
@@ -77,7 +65,7 @@ def test_preemption_under_memory_pressure_keeps_outputs(hf_checkpoint: Path, ref
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW))
     assert [o.token_ids for o in outputs] == reference
     assert llm.stats()["preemptions"] > 0
-    _assert_pools_full(llm)
+    assert_pools_full(llm)
 
 
 def test_swa_slots_per_request_stay_within_window_chunk_and_page(hf_checkpoint: Path) -> None:
@@ -96,7 +84,7 @@ def test_swa_slots_per_request_stay_within_window_chunk_and_page(hf_checkpoint: 
     llm.generate(long_prompts, SamplingParams(max_tokens=60))
     assert max(peaks) <= REF_WINDOW + chunk + page
     assert max(peaks) > REF_WINDOW  # the bound is met while really prefilling in chunks
-    _assert_pools_full(llm)
+    assert_pools_full(llm)
 
 
 def test_abort_mid_prefill_and_mid_decode_frees_every_slot(hf_checkpoint: Path) -> None:
@@ -113,7 +101,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_slot(hf_checkpoint: Path) 
     assert llm.abort(long_id) and llm.abort(short_id)
     assert not llm.abort(short_id)
     assert not llm.engine.has_unfinished()
-    _assert_pools_full(llm)
+    assert_pools_full(llm)
 
 
 def test_stats_report_both_pools(hf_checkpoint: Path) -> None:
@@ -134,4 +122,4 @@ def test_request_larger_than_the_pool_is_refused(hf_checkpoint: Path) -> None:
     capacity = llm.stats()["full_pool"]["capacity_tokens"]
     with pytest.raises(ValueError, match="more KV memory than the pool holds"):
         llm.generate([[5] * capacity], SamplingParams(max_tokens=10))
-    _assert_pools_full(llm)
+    assert_pools_full(llm)

@@ -4,6 +4,7 @@ prefixes as from cold ones."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,14 @@ import torch
 
 from llm_core import LLM, SamplingParams
 from llm_core.config import ModelConfig
-from tests.conftest import REF_WINDOW, _make_peaky, append_mtp_shard, hf_reference_config
+from tests.conftest import (
+    REF_WINDOW,
+    _make_peaky,
+    append_mtp_shard,
+    assert_pools_full,
+    hf_greedy_outputs,
+    hf_reference_config,
+)
 
 NUM_MTP = 3
 MAX_NEW = 40
@@ -53,8 +61,6 @@ def draftable_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = ModelConfig.from_json_file(out / "config.json").with_mtp_layers(NUM_MTP)
     append_mtp_shard(out, config, _mtp_follows_the_token)
     config_json = out / "config.json"
-    import json
-
     data = json.loads(config_json.read_text())
     data["num_nextn_predict_layers"] = NUM_MTP
     config_json.write_text(json.dumps(data))
@@ -66,19 +72,7 @@ def reference(draftable_checkpoint: Path) -> list[list[int]]:
     from transformers import MiMoV2FlashForCausalLM
 
     hf = MiMoV2FlashForCausalLM.from_pretrained(draftable_checkpoint, dtype=torch.float32).eval()
-    outs = []
-    for prompt in PROMPTS:
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-        outs.append(out[0, len(prompt):].tolist())
-    return outs
-
-
-def _assert_pools_full(llm: LLM) -> None:
-    llm.flush_cache()
-    stats = llm.stats()
-    for pool in ("full_pool", "swa_pool"):
-        assert stats[pool]["free_tokens"] == stats[pool]["capacity_tokens"], stats
+    return hf_greedy_outputs(hf, PROMPTS, MAX_NEW)
 
 
 def test_default_is_one_draft_per_mtp_layer(draftable_checkpoint: Path) -> None:
@@ -91,14 +85,14 @@ def test_greedy_with_speculation_matches_transformers_at_every_batch_size(
     draftable_checkpoint: Path, reference: list[list[int]], k: int
 ) -> None:
     llm = LLM(draftable_checkpoint, speculative_tokens=k, chunked_prefill_size=5, max_num_batched_tokens=64)
-    for batch in range(1, 9):
+    for batch in range(1, 9) if k == NUM_MTP else (1, 8):
         outputs = llm.generate(PROMPTS[:batch], SamplingParams(max_tokens=MAX_NEW))
         assert [o.token_ids for o in outputs] == reference[:batch], f"batch {batch}"
     spec = llm.stats()["speculative"]
     # Drafts were really accepted (and rejected): both paths of the commit ran.
     assert 1.3 < spec["mean_acceptance_length"] < k + 1, spec
     assert spec["drafts_proposed"][0] >= spec["drafts_accepted"][0] > 0
-    _assert_pools_full(llm)
+    assert_pools_full(llm)
 
 
 def test_speculation_on_and_off_agree_with_a_prefix_cache_and_preemption(
@@ -112,7 +106,7 @@ def test_speculation_on_and_off_agree_with_a_prefix_cache_and_preemption(
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW))
     assert [o.token_ids for o in outputs] == reference
     assert llm.stats()["preemptions"] > 0
-    _assert_pools_full(llm)
+    assert_pools_full(llm)
 
 
 def test_abort_mid_verify_returns_every_slot(draftable_checkpoint: Path) -> None:
@@ -124,7 +118,7 @@ def test_abort_mid_verify_returns_every_slot(draftable_checkpoint: Path) -> None
     for rid in ids:
         llm.abort(rid)
     assert not llm.engine._drafts
-    _assert_pools_full(llm)
+    assert_pools_full(llm)
 
 
 def test_swa_slots_stay_within_window_chunk_page_and_drafts(draftable_checkpoint: Path) -> None:
@@ -142,7 +136,7 @@ def test_swa_slots_stay_within_window_chunk_page_and_drafts(draftable_checkpoint
     llm.generate([p * 3 for p in PROMPTS[:4]], SamplingParams(max_tokens=60))
     window = REF_WINDOW + 1
     assert max(peaks) <= window + chunk + page + NUM_MTP
-    _assert_pools_full(llm)
+    assert_pools_full(llm)
 
 
 def _draft_log(llm: LLM) -> tuple[list[list[int]], list[int]]:
