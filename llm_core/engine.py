@@ -29,7 +29,7 @@ from llm_core.paged_attention import (
 from llm_core.prefix_cache import RadixCache
 from llm_core.sampling import SamplingParams, SamplingPlan, SamplingRow, request_seed, sample_tokens, verify_drafts
 from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
-from llm_core.speculative import DraftTarget, MTPDrafter, SpeculativeStats
+from llm_core.speculative import DraftTarget, MTPDrafter, SpeculativeStats, mtp_layer_forward
 
 AttentionImpl = Literal["auto", "torch", "triton"]
 DecodeForwardFn = Callable[[MiMoV2ForCausalLM, torch.Tensor, torch.Tensor, DecodeAttentionBackend], torch.Tensor]
@@ -183,7 +183,9 @@ def compiled(fn: Callable[..., torch.Tensor], backend: str = "inductor") -> Call
         # Without duck sizing, two sizes that happen to be equal when a graph is
         # traced (batch and page count, say) are not assumed equal forever,
         # which would recompile it when they part.
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        # One graph per MTP layer module as well: more than dynamo's default of 8.
+        with torch.fx.experimental._config.patch(use_duck_shape=False), \
+                torch._dynamo.config.patch(recompile_limit=64):
             return graph(*args)
 
     return run
@@ -239,7 +241,8 @@ class Engine:
         self._decode_logits = compiled_decode_logits() if config.compile else decode_logits
         self._extend_hidden = compiled(extend_hidden) if config.compile else extend_hidden
         self.graphs = self._capture_graphs()
-        self.drafter = MTPDrafter(model, self.kv, self.window, k, self.attention_fn, device) if k else None
+        self.drafter = MTPDrafter(model, self.kv, self.window, k, self.attention_fn, self.decode_attention_fn, device,
+                                  compiled(mtp_layer_forward) if config.compile else mtp_layer_forward) if k else None
         self.spec_stats = SpeculativeStats(k)
         # Drafts waiting for the next step's verification: tokens [k] and, for
         # requests that sample, the distributions they were drawn from [k, vocab].

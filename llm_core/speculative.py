@@ -23,14 +23,25 @@ draft, on its own output.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from llm_core.attention import AttentionBackend
 from llm_core.device import to_device
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.multimodal import MultimodalSpan
-from llm_core.paged_attention import AttentionFn, KVCacheTensors, PagedAttentionBackend, PagedBatch
+from llm_core.paged_attention import (
+    AttentionFn,
+    DecodeAttentionBackend,
+    DecodeAttentionFn,
+    DecodeBatch,
+    KVCacheTensors,
+    PagedAttentionBackend,
+    PagedBatch,
+)
 from llm_core.sampling import SamplingPlan, SamplingRow, draw_drafts
 from llm_core.scheduler import Sequence
 
@@ -65,16 +76,33 @@ class _Rows:
     end: int
 
 
+# Rows per request up to which a depth runs as one-query rows through the
+# decode kernels (drafting steps); longer runs (prefill chunks) go through the
+# mixed-batch attention, whose metadata is O(rows), not O(rows x W).
+SHORT_ROWS = 16
+
+MTPForward = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, AttentionBackend], torch.Tensor]
+
+
+def mtp_layer_forward(layer: nn.Module, embeds: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                      backend: AttentionBackend) -> torch.Tensor:
+    """One MTP depth over its rows (what is compiled with ``compile``)."""
+    return layer(embeds, prev_hidden, positions, backend)
+
+
 class MTPDrafter:
     def __init__(self, model: MiMoV2ForCausalLM, kv: KVCacheTensors, window: int, num_drafts: int,
-                 attention_fn: AttentionFn, device: torch.device) -> None:
+                 attention_fn: AttentionFn, decode_attention_fn: DecodeAttentionFn, device: torch.device,
+                 forward: MTPForward = mtp_layer_forward) -> None:
         self.model = model
         self.kv = kv
         self.window = window
         self.num_drafts = num_drafts
         self.num_layers = model.config.num_mtp_layers
         self.attention_fn = attention_fn
+        self.decode_attention_fn = decode_attention_fn
         self.device = device
+        self.forward = forward
 
     def run(self, targets: list[DraftTarget]) -> Drafts | None:
         """Run the pass; the drafts of the targets that sample, or None if none does."""
@@ -137,7 +165,9 @@ class MTPDrafter:
         target, the output row that predicts its next draft."""
         layer = self._layer(depth)
         draft_index = {t: j for j, t in enumerate(drafting)}
+        short = all(r.end - r.first < SHORT_ROWS for r in rows)
         q_ranges, kv_slots, kv_first, writes = [], [], [], []
+        row_keys: list[list[int]] = []  # short rows: [u, write slot, key count, key slots...]
         token_ids: list[int] = []
         from_draft: list[tuple[int, int]] = []  # (flat row, index into the stacked drafts)
         prev_slots: list[int] = []
@@ -149,10 +179,16 @@ class MTPDrafter:
             last = seq.num_tokens - 1
             key_lo = max(layer + 1, r.first - self.window + 1)
             slots = self._slots(r.target, seq, key_lo, r.end)
-            q_ranges.append((r.first, n))
-            kv_slots.append(slots)
-            kv_first.append(key_lo)
-            writes.append(slots[r.first - key_lo :])
+            if short:
+                for u in range(r.first, r.end + 1):
+                    lo = max(layer + 1, u - self.window + 1)
+                    keys = slots[lo - key_lo : u - key_lo + 1]
+                    row_keys.append([u, keys[-1], len(keys), *keys, *([0] * (self.window - len(keys)))])
+            else:
+                q_ranges.append((r.first, n))
+                kv_slots.append(slots)
+                kv_first.append(key_lo)
+                writes.append(slots[r.first - key_lo :])
             known_end = min(r.end, last)
             token_ids += seq.token_slice(r.first, known_end + 1) if r.first <= known_end else []
             for u in range(max(r.first, last + 1), r.end + 1):
@@ -169,8 +205,12 @@ class MTPDrafter:
             at = torch.tensor([row for row, _ in from_draft], device=self.device)
             which = torch.tensor([d for _, d in from_draft], device=self.device)
             ids[at] = torch.cat(drafts)[which]
-        batch = PagedBatch.build(q_ranges, kv_slots, kv_first, writes, self.device)
-        backend = PagedAttentionBackend(self.kv, batch, batch, self.attention_fn)
+        if short:
+            backend, positions, write_slots = self._decode_backend(row_keys)
+        else:
+            batch = PagedBatch.build(q_ranges, kv_slots, kv_first, writes, self.device)
+            backend, positions, write_slots = PagedAttentionBackend(self.kv, batch, batch, self.attention_fn), \
+                batch.q_pos, batch.write_slots
         embeds = self._embeds(targets, rows, ids)
         if depth < self.num_layers:
             prev_hidden = self.kv.hidden(depth)[to_device(torch.tensor(prev_slots, dtype=torch.long), self.device)]
@@ -178,11 +218,26 @@ class MTPDrafter:
             assert previous is not None
             hidden, rows_of = previous
             prev_hidden = hidden[[rows_of[r.target] for r in rows]]
-        rope_positions = batch.q_pos - (layer + 1)
-        out = self.model.model.mtp.layers[layer](embeds, prev_hidden, rope_positions, backend)
+        out = self.forward(self.model.model.mtp.layers[layer], embeds, prev_hidden, positions - (layer + 1), backend)
         if depth + 1 < self.kv.draft_depths:
-            self.kv.hidden(depth + 1).index_put_((batch.write_slots,), out.to(self.kv.hidden(depth + 1).dtype))
+            self.kv.hidden(depth + 1).index_put_((write_slots,), out.to(self.kv.hidden(depth + 1).dtype))
         return out, draft_row
+
+    def _decode_backend(self, row_keys: list[list[int]]) -> tuple[DecodeAttentionBackend, torch.Tensor, torch.Tensor]:
+        """Rows of a few tokens each as one-query rows of a ``DecodeBatch`` (the
+        decode kernels), from [position, write slot, key count, key slots...]."""
+        meta = to_device(torch.tensor(row_keys, dtype=torch.int64), self.device)
+        positions, write_slots, key_count = (meta[:, i].clone() for i in range(3))
+        batch = DecodeBatch(
+            positions=positions,
+            full_pages=meta.new_zeros(meta.shape[0], 1, dtype=torch.int32),  # MTP layers read the SWA pool only
+            full_write=write_slots,
+            swa_slots=meta[:, 3:].clone(),
+            swa_len=key_count,
+            swa_write=write_slots,
+            page_size=self.kv.page_size,
+        )
+        return DecodeAttentionBackend(self.kv, batch, self.decode_attention_fn), positions, write_slots
 
     def _embeds(self, targets: list[DraftTarget], rows: list[_Rows], ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings of the rows, media rows taken from their spans (as the
