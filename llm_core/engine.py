@@ -429,6 +429,8 @@ class Engine:
         """The chunks' drafts [B, most] (0-padded) and the sampled rows' draft
         distributions [S, most, vocab] (zero where a chunk has fewer)."""
         vocab = self.model.config.vocab_size
+        if plan.sampled_rows is None and all(chunk.drafts == most for chunk in chunks):  # the common case
+            return torch.stack([self._drafts[chunk.seq.request_id][0][:most] for chunk in chunks]), None
         tokens, probs = [], []
         sampled = set(plan.sampled_rows.tolist()) if plan.sampled_rows is not None else set()
         for i, chunk in enumerate(chunks):
