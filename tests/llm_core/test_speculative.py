@@ -184,3 +184,14 @@ def test_speculative_tokens_are_checked() -> None:
 
     with pytest.raises(ValueError, match="speculative_tokens"):
         EngineConfig(speculative_tokens=-1)
+
+
+def test_sampled_requests_with_drafts_repeat_whatever_their_batch(draftable_checkpoint: Path) -> None:
+    llm = LLM(draftable_checkpoint, chunked_prefill_size=32, max_num_batched_tokens=64)
+    seeded = [SamplingParams(max_tokens=24, temperature=0.8, seed=s, top_k=8 if s % 2 else -1) for s in range(4)]
+    together = [o.token_ids for o in llm.generate(PROMPTS[:4], seeded)]
+    alone = [llm.generate([p], [params])[0].token_ids for p, params in zip(PROMPTS[:4], seeded)]
+    assert together == alone and all(len(t) == 24 for t in together)
+    spec = llm.stats()["speculative"]
+    assert spec["drafts_accepted"][0] > 0  # sampled drafts were accepted too
+    assert_pools_full(llm)
