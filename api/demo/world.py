@@ -10,14 +10,23 @@ One ``Scene`` (a frozen description) is rendered two ways that must agree:
   the server decodes with its own pipeline (``media.load_video`` / ``load_image`` /
   ``load_audio``).
 
-Video timing. Files hold ``VIDEO_FRAMES`` frames at ``VIDEO_FPS``, frame ``k`` at
-``k / VIDEO_FPS`` s. The server samples at ``SAMPLE_FPS`` with targets at interval
-centres (0.25, 0.75, ... s, see ``media.video.plan_sampling``) and shows, for each
-target, the last frame whose pts <= target: 0.25 s -> the frame at 0.2 s. Training frames
-are the scene rendered at exactly those frame times (``SAMPLED_FRAME_TIMES``, derived
-from ``plan_sampling`` itself so the two cannot drift apart). Blink slots change at
-multiples of 0.5 s and the colour switch is at 2.0 s; sampled frame times (0.2 + 0.5 k)
-are 0.2-0.3 s away from every such boundary, so no sample is ambiguous.
+Input variety. Users send pictures and clips of every size, so each visual scene has
+its own frame size (``Scene.width`` x ``Scene.height``, 48..640 px a side, even,
+landscape, portrait and square, often one of ``COMMON_SIZES``) and each video its own
+frame rate (``Scene.fps``, 10..30 fps, NTSC rates included). Shapes are sized relative
+to the frame (``SHAPE_FRACTION`` of its shorter side) and move edge to edge, so after
+the server's resize (``media.preprocess_*``: 56..84 px a side for the demo) every
+scene looks alike whatever it was drawn at.
+
+Video timing. Files hold ``video_frame_count(fps)`` frames (``VIDEO_SECONDS`` long),
+frame ``k`` at ``k / fps`` s. The server samples at ``SAMPLE_FPS`` with targets at
+interval centres (0.25, 0.75, ... s, see ``media.video.plan_sampling``) and shows, for
+each target, the last frame whose pts <= target: at 10 fps 0.25 s -> the frame at
+0.2 s. Training frames are the scene rendered at exactly those frame times
+(``sampled_frame_indices(fps)``, derived from ``plan_sampling`` itself so the two
+cannot drift apart). Blink slots change at multiples of 0.5 s and the colour switch is
+at 2.0 s; a sampled frame time lies in (target - 1/fps, target], so at >= 10 fps it is
+0.15-0.25 s away from every such boundary and no sample is ambiguous.
 
 Everything is a pure function of the ``np.random.Generator`` passed in (or the seed):
 no global state.
@@ -25,6 +34,7 @@ no global state.
 
 from __future__ import annotations
 
+import functools
 import math
 import wave
 from collections.abc import Callable, Iterator
@@ -40,9 +50,21 @@ from media.video import VideoInfo, plan_sampling
 
 # ------------------------------------------------------------------------ constants
 
-FRAME = 56  # frame/image side in pixels
+REFERENCE_FRAME = 56  # px: the side the shape sizes and margins were first set for
+MIN_SIDE, MAX_SIDE = 48, 640  # frame/image sides, px (even: yuv420p needs it)
+MAX_ASPECT = 2.4  # longer side / shorter side of a drawn (non-common) size
+# (width, height) that files in the wild often have; half the scenes use one of them.
+COMMON_SIZES: tuple[tuple[int, int], ...] = (
+    (640, 360), (320, 240), (360, 640), (256, 256), (56, 56), (480, 270), (240, 320),
+    (640, 480), (128, 128), (176, 144), (480, 480), (270, 480), (64, 64), (96, 96),
+)
+COMMON_SIZE_SHARE = 0.5
 VIDEO_SECONDS = 4.0
-VIDEO_FPS = 10  # frame rate of written video files
+# Frame rates of written video files: NTSC rates are exact fractions, as in real files.
+COMMON_RATES: tuple[Fraction, ...] = tuple(
+    Fraction(r) for r in (10, 12, 15, 20, 24, 25, 30, Fraction(24000, 1001), Fraction(30000, 1001))
+)
+MIN_FPS, MAX_FPS = 10, 30
 SAMPLE_FPS = 2.0  # the server samples videos at this rate ...
 SAMPLED_FRAMES = 8  # ... giving this many frames for a 4 s clip
 SAMPLE_RATE = 16000
@@ -69,9 +91,10 @@ TASKS = (
     "describe",
 )
 
-VIDEO_FRAMES = round(VIDEO_SECONDS * VIDEO_FPS)
-SHAPE_SIZES = (18, 24)  # inclusive range of a shape's side / diameter, px
+# A shape's side / diameter as a fraction of the frame's shorter side: 18..24 px of 56.
+SHAPE_FRACTION = (18 / REFERENCE_FRAME, 24 / REFERENCE_FRAME)
 EDGE_MARGIN = 1.0  # px kept free between a shape's bounding box and the frame edge
+TRAVEL_SLACK = 3 / REFERENCE_FRAME  # motion stops up to this fraction of the shorter side short of an edge
 BLINK_SLOT = 0.5  # s; the light is on or off for a whole slot
 BLINK_SLOTS = round(VIDEO_SECONDS / BLINK_SLOT)
 MAX_BLINKS = 4
@@ -89,29 +112,43 @@ MAX_BEEPS = 5
 MAX_PITCH_BEEPS = 3
 
 # Frame times of a written file, and which of them the server's 2 fps sampler shows.
-VIDEO_FRAME_TIMES = np.arange(VIDEO_FRAMES) / VIDEO_FPS
 
 
-def _sampled_frame_indices() -> tuple[int, ...]:
+def video_frame_count(fps: Fraction) -> int:
+    """Frames in a written file of VIDEO_SECONDS at `fps`."""
+    return round(VIDEO_SECONDS * fps)
+
+
+@functools.cache
+def video_frame_times(fps: Fraction) -> np.ndarray:
+    """float64 [video_frame_count(fps)]: the pts of each frame of a file, in seconds
+    (each the float nearest to k / fps; read-only, shared)."""
+    times = np.array([float(k / fps) for k in range(video_frame_count(fps))])
+    times.flags.writeable = False
+    return times
+
+
+@functools.cache
+def sampled_frame_indices(fps: Fraction) -> tuple[int, ...]:
     """Indices of the file's frames that ``media.load_video(fps=SAMPLE_FPS,
     max_frames=SAMPLED_FRAMES)`` returns: the last frame with pts <= each target."""
+    count = video_frame_count(fps)
     info = VideoInfo(
-        duration=VIDEO_SECONDS, fps=float(VIDEO_FPS), frame_count=VIDEO_FRAMES,
-        width=FRAME, height=FRAME, codec="h264", rotation=0, keyframe_times=(0.0,),
+        duration=float(count / fps), fps=float(fps), frame_count=count,
+        width=REFERENCE_FRAME, height=REFERENCE_FRAME, codec="h264", rotation=0, keyframe_times=(0.0,),
         seekable=True, container="mov,mp4,m4a,3gp,3g2,mj2",
     )
     targets = plan_sampling(info, fps=SAMPLE_FPS, max_frames=SAMPLED_FRAMES)
-    # Exact arithmetic, as the decoder compares integer ticks: 0.25 s -> frame 2.
-    indices = tuple(min(math.floor(Fraction(t) * VIDEO_FPS), VIDEO_FRAMES - 1) for t in targets)
+    # Exact arithmetic, as the decoder compares integer ticks: 0.25 s at 10 fps -> frame 2.
+    indices = tuple(min(math.floor(Fraction(t) * fps), count - 1) for t in targets)
     assert len(indices) == SAMPLED_FRAMES, indices
     return indices
 
 
-SAMPLED_FRAME_INDICES = _sampled_frame_indices()
-SAMPLED_FRAME_TIMES = VIDEO_FRAME_TIMES[list(SAMPLED_FRAME_INDICES)]
+def sampled_frame_times(fps: Fraction) -> np.ndarray:
+    """float64 [SAMPLED_FRAMES]: the pts of the frames the server's sampler shows."""
+    return video_frame_times(fps)[list(sampled_frame_indices(fps))]
 
-# Pixel centres, shared by every render (float32 keeps the mask maths cheap).
-_PIXEL_CENTRES = np.arange(FRAME, dtype=np.float32) + 0.5
 # Boundaries are at exact multiples of 0.5 s / 2.0 s; the epsilon only absorbs float
 # noise in t so that t == boundary counts as "after" ([a, b) slots).
 _TIME_EPS = 1e-9
@@ -132,7 +169,7 @@ class Shape:
     """
 
     kind: str  # one of SHAPES
-    size: int  # side of the square, diameter of the circle, base and height of the triangle
+    size: float  # px: side of the square, diameter of the circle, base and height of the triangle
     start: tuple[float, float]  # (x, y) in px, y down
     end: tuple[float, float]
     color: str
@@ -159,6 +196,9 @@ class Scene:
     kind: str  # "video", "image" or "audio"
     shape: Shape | None = None  # the video's or image's shape
     beeps: Beeps | None = None  # a standalone clip ("audio") or a video's sound track
+    width: int = 0  # px, of a video's frames or an image (0: audio only)
+    height: int = 0
+    fps: Fraction | None = None  # frame rate of a video's file
 
     @property
     def media(self) -> tuple[str, ...]:
@@ -173,8 +213,8 @@ class Sample:
     question: str
     answer: str  # short, lowercase, no trailing period
     media: tuple[str, ...]  # kinds in message order
-    frames: np.ndarray | None  # uint8 [SAMPLED_FRAMES, FRAME, FRAME, 3]
-    image: np.ndarray | None  # uint8 [FRAME, FRAME, 3]
+    frames: np.ndarray | None  # uint8 [SAMPLED_FRAMES, height, width, 3]: what the server samples
+    image: np.ndarray | None  # uint8 [height, width, 3]
     audio: np.ndarray | None  # float32 mono at SAMPLE_RATE in [-1, 1]
     scene: Scene
 
@@ -214,21 +254,36 @@ def shape_colors(shape: Shape, times: np.ndarray) -> np.ndarray:
     return rgb
 
 
-def render_frames(shape: Shape, times: np.ndarray) -> np.ndarray:
-    """uint8 [T, FRAME, FRAME, 3]: the scene at each time t (seconds), all at once."""
+def render_frames(shape: Shape, times: np.ndarray, width: int, height: int) -> np.ndarray:
+    """uint8 [T, height, width, 3]: the scene at each time t (seconds).
+
+    A pixel is the shape's colour when its centre is inside the shape. Only the
+    shape's bounding box (plus a pixel) is evaluated: a 640x360 frame costs what the
+    shape covers, not the whole frame."""
     times = np.asarray(times, dtype=np.float64)
     progress = (times / VIDEO_SECONDS).astype(np.float32)
-    cx = shape.start[0] + (shape.end[0] - shape.start[0]) * progress
-    cy = shape.start[1] + (shape.end[1] - shape.start[1]) * progress
-    dx = _PIXEL_CENTRES[None, None, :] - cx[:, None, None]  # [T, 1, W]
-    dy = _PIXEL_CENTRES[None, :, None] - cy[:, None, None]  # [T, H, 1]
-    mask = _MASKS[shape.kind](dx, dy, shape.size / 2)  # [T, H, W]
-    return mask[..., None] * shape_colors(shape, times)[:, None, None, :]
+    cx = np.float32(shape.start[0]) + np.float32(shape.end[0] - shape.start[0]) * progress
+    cy = np.float32(shape.start[1]) + np.float32(shape.end[1] - shape.start[1]) * progress
+    colors = shape_colors(shape, times)
+    half = shape.size / 2
+    reach = math.ceil(half) + 1
+    out = np.zeros((times.size, height, width, 3), dtype=np.uint8)
+    mask_of = _MASKS[shape.kind]
+    for i in range(times.size):
+        if not colors[i].any():
+            continue  # a blinking light that is off
+        x0, x1 = max(0, math.floor(cx[i]) - reach), min(width, math.floor(cx[i]) + reach + 1)
+        y0, y1 = max(0, math.floor(cy[i]) - reach), min(height, math.floor(cy[i]) + reach + 1)
+        dx = (np.arange(x0, x1, dtype=np.float32) + np.float32(0.5)) - cx[i]  # [w]
+        dy = (np.arange(y0, y1, dtype=np.float32) + np.float32(0.5)) - cy[i]  # [h]
+        mask = mask_of(dx[None, :], dy[:, None], half)  # [h, w]
+        out[i, y0:y1, x0:x1] = mask[..., None] * colors[i]
+    return out
 
 
-def render_image(shape: Shape) -> np.ndarray:
-    """uint8 [FRAME, FRAME, 3]."""
-    return render_frames(shape, np.zeros(1))[0]
+def render_image(shape: Shape, width: int, height: int) -> np.ndarray:
+    """uint8 [height, width, 3]."""
+    return render_frames(shape, np.zeros(1), width, height)[0]
 
 
 def render_audio(beeps: Beeps) -> np.ndarray:
@@ -254,38 +309,75 @@ def _pick(rng: np.random.Generator, options: tuple[str, ...]) -> str:
     return options[int(rng.integers(len(options)))]
 
 
-def _size(rng: np.random.Generator) -> int:
-    return int(rng.integers(SHAPE_SIZES[0], SHAPE_SIZES[1] + 1))
+def _even(x: float) -> int:
+    return 2 * round(x / 2)
 
 
-def _centre_range(size: int) -> tuple[float, float]:
-    """Centre coordinates that keep the whole shape (plus a margin) inside the frame."""
+def frame_size(rng: np.random.Generator) -> tuple[int, int]:
+    """(width, height) of a picture or clip: a common size half of the time, otherwise
+    sides drawn independently in [MIN_SIDE, MAX_SIDE] (even, aspect <= MAX_ASPECT)."""
+    if rng.random() < COMMON_SIZE_SHARE:
+        return COMMON_SIZES[int(rng.integers(len(COMMON_SIZES)))]
+    while True:
+        w, h = (_even(v) for v in rng.uniform(MIN_SIDE, MAX_SIDE, 2))
+        if max(w, h) <= MAX_ASPECT * min(w, h):
+            return w, h
+
+
+def frame_rate(rng: np.random.Generator) -> Fraction:
+    """A video file's frame rate: a common one half of the time, else an integer in
+    [MIN_FPS, MAX_FPS]."""
+    if rng.random() < 0.5:
+        return COMMON_RATES[int(rng.integers(len(COMMON_RATES)))]
+    return Fraction(int(rng.integers(MIN_FPS, MAX_FPS + 1)))
+
+
+@dataclass(frozen=True)
+class _Frame:
+    width: int
+    height: int
+
+    @property
+    def short(self) -> int:
+        return min(self.width, self.height)
+
+
+def _size(rng: np.random.Generator, frame: _Frame) -> float:
+    return float(rng.uniform(*SHAPE_FRACTION)) * frame.short
+
+
+def _centre_range(size: float, side: int) -> tuple[float, float]:
+    """Centre coordinates along a side of `side` px that keep the whole shape (plus a
+    margin) inside the frame."""
     half = size / 2 + EDGE_MARGIN
-    return half, FRAME - half
+    return half, side - half
 
 
-def _position(rng: np.random.Generator, size: int) -> tuple[float, float]:
-    lo, hi = _centre_range(size)
-    x, y = rng.uniform(lo, hi, 2)
-    return float(x), float(y)
+def _position(rng: np.random.Generator, size: float, frame: _Frame) -> tuple[float, float]:
+    (xlo, xhi), (ylo, yhi) = _centre_range(size, frame.width), _centre_range(size, frame.height)
+    return float(rng.uniform(xlo, xhi)), float(rng.uniform(ylo, yhi))
 
 
-def _static_shape(rng: np.random.Generator) -> Shape:
-    size = _size(rng)
-    at = _position(rng, size)
+def _static_shape(rng: np.random.Generator, frame: _Frame) -> Shape:
+    size = _size(rng, frame)
+    at = _position(rng, size, frame)
     color = _pick(rng, _COLOR_NAMES)
     return Shape(_pick(rng, SHAPES), size, at, at, color, color)
 
 
-def _moving_shape(rng: np.random.Generator, direction: str) -> Shape:
-    """Edge-to-edge travel (give or take 3 px), so consecutive sampled frames are
-    >= ~3.5 px apart; linear motion keeps every t in [0, 4] s inside the frame."""
-    size = _size(rng)
-    lo, hi = _centre_range(size)
-    near, far, across = rng.uniform(0, 3), rng.uniform(0, 3), rng.uniform(lo, hi)
+def _moving_shape(rng: np.random.Generator, direction: str, frame: _Frame) -> Shape:
+    """Edge-to-edge travel (give or take TRAVEL_SLACK), so consecutive sampled frames are
+    >= ~5 % of the shorter side apart; linear motion keeps every t in [0, 4] s inside
+    the frame."""
+    size = _size(rng, frame)
+    horizontal = direction in ("left", "right")
+    along, across_side = (frame.width, frame.height) if horizontal else (frame.height, frame.width)
+    lo, hi = _centre_range(size, along)
+    slack = TRAVEL_SLACK * frame.short
+    near, far = rng.uniform(0, slack, 2)
+    across = rng.uniform(*_centre_range(size, across_side))
     forward = direction in ("right", "down")  # increasing x / y (y points down)
     a, b = (lo + near, hi - far) if forward else (hi - near, lo + far)
-    horizontal = direction in ("left", "right")
     start = (a, across) if horizontal else (across, a)
     end = (b, across) if horizontal else (across, b)
     color = _pick(rng, _COLOR_NAMES)
@@ -296,9 +388,9 @@ def _floats(point: tuple[float, float]) -> tuple[float, float]:
     return float(point[0]), float(point[1])
 
 
-def _color_change_shape(rng: np.random.Generator) -> Shape:
-    size = _size(rng)
-    at = _position(rng, size)
+def _color_change_shape(rng: np.random.Generator, frame: _Frame) -> Shape:
+    size = _size(rng, frame)
+    at = _position(rng, size, frame)
     before = int(rng.integers(len(_COLOR_NAMES)))
     after = (before + 1 + int(rng.integers(len(_COLOR_NAMES) - 1))) % len(_COLOR_NAMES)
     return Shape(_pick(rng, SHAPES), size, at, at, _COLOR_NAMES[before], _COLOR_NAMES[after])
@@ -338,68 +430,95 @@ def _beeps(rng: np.random.Generator, count: int, seconds: float | None) -> Beeps
 _Built = tuple[Scene, str, str]
 
 
-def _video_direction(rng: np.random.Generator) -> _Built:
+@dataclass(frozen=True)
+class MediaFormat:
+    """Fixed media formats for ``make_sample`` (None: drawn from the generator)."""
+
+    size: tuple[int, int] | None = None  # (width, height) of a picture or clip
+    fps: Fraction | int | None = None  # a clip's frame rate
+
+
+def _video(rng: np.random.Generator, fmt: MediaFormat) -> tuple[_Frame, Callable[..., Scene]]:
+    """A clip's frame size and rate, and a Scene maker with them filled in."""
+    frame = _Frame(*(frame_size(rng) if fmt.size is None else fmt.size))
+    fps = frame_rate(rng) if fmt.fps is None else Fraction(fmt.fps)
+    return frame, functools.partial(Scene, "video", width=frame.width, height=frame.height, fps=fps)
+
+
+def _image(rng: np.random.Generator, fmt: MediaFormat) -> tuple[_Frame, Callable[..., Scene]]:
+    frame = _Frame(*(frame_size(rng) if fmt.size is None else fmt.size))
+    return frame, functools.partial(Scene, "image", width=frame.width, height=frame.height)
+
+
+def _video_direction(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
+    frame, scene = _video(rng, fmt)
     direction = _pick(rng, DIRECTIONS)
-    shape = _moving_shape(rng, direction)
-    return Scene("video", shape), f"Which way does the {shape.color} {shape.kind} move?", direction
+    shape = _moving_shape(rng, direction, frame)
+    return scene(shape), f"Which way does the {shape.color} {shape.kind} move?", direction
 
 
-def _video_blink(rng: np.random.Generator) -> _Built:
+def _video_blink(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
+    frame, scene = _video(rng, fmt)
     count = int(rng.integers(1, MAX_BLINKS + 1))
-    size = _size(rng)
-    at = _position(rng, size)
+    size = _size(rng, frame)
+    at = _position(rng, size, frame)
     color = _pick(rng, _COLOR_NAMES)
     light = Shape("circle", size, at, at, color, color, _blink_slots(rng, count))
-    return Scene("video", light), "How many times does the light blink?", str(count)
+    return scene(light), "How many times does the light blink?", str(count)
 
 
-def _video_color(rng: np.random.Generator) -> _Built:
-    shape = _color_change_shape(rng)
-    return Scene("video", shape), f"What colour does the {shape.kind} turn?", shape.color_after
+def _video_color(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
+    frame, scene = _video(rng, fmt)
+    shape = _color_change_shape(rng, frame)
+    return scene(shape), f"What colour does the {shape.kind} turn?", shape.color_after
 
 
-def _image_shape(rng: np.random.Generator) -> _Built:
-    shape = _static_shape(rng)
-    return Scene("image", shape), "What shape is in the picture?", shape.kind
+def _image_shape(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
+    frame, scene = _image(rng, fmt)
+    shape = _static_shape(rng, frame)
+    return scene(shape), "What shape is in the picture?", shape.kind
 
 
-def _image_color(rng: np.random.Generator) -> _Built:
-    shape = _static_shape(rng)
-    return Scene("image", shape), f"What colour is the {shape.kind}?", shape.color
+def _image_color(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
+    frame, scene = _image(rng, fmt)
+    shape = _static_shape(rng, frame)
+    return scene(shape), f"What colour is the {shape.kind}?", shape.color
 
 
-def _audio_beeps(rng: np.random.Generator) -> _Built:
+def _audio_beeps(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
     beeps = _beeps(rng, int(rng.integers(1, MAX_BEEPS + 1)), None)
     return Scene("audio", beeps=beeps), "How many beeps do you hear?", str(len(beeps.onsets))
 
 
-def _audio_pitch(rng: np.random.Generator) -> _Built:
+def _audio_pitch(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
     beeps = _beeps(rng, int(rng.integers(1, MAX_PITCH_BEEPS + 1)), None)
     pitch = "high" if beeps.frequency == PITCHES["high"] else "low"
     return Scene("audio", beeps=beeps), "Are the beeps high or low?", pitch
 
 
-def _video_audio_beeps(rng: np.random.Generator) -> _Built:
+def _video_audio_beeps(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
+    frame, scene = _video(rng, fmt)
     if rng.integers(2):
-        shape = _moving_shape(rng, _pick(rng, DIRECTIONS))
+        shape = _moving_shape(rng, _pick(rng, DIRECTIONS), frame)
     else:
-        shape = _color_change_shape(rng)
+        shape = _color_change_shape(rng, frame)
     beeps = _beeps(rng, int(rng.integers(1, MAX_BEEPS + 1)), VIDEO_SECONDS)
-    return Scene("video", shape, beeps), "How many beeps are in the video?", str(len(beeps.onsets))
+    return scene(shape, beeps), "How many beeps are in the video?", str(len(beeps.onsets))
 
 
-def _describe(rng: np.random.Generator) -> _Built:
+def _describe(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
+    frame, scene = _video(rng, fmt)
     direction = _pick(rng, DIRECTIONS)
-    shape = _moving_shape(rng, direction)
+    shape = _moving_shape(rng, direction, frame)
     sentences = (
         f"a {shape.color} {shape.kind} moves {direction} on a black background",
         "it does not change colour",
         "there is no sound",
     )
-    return Scene("video", shape), "Describe the video.", ". ".join(sentences)
+    return scene(shape), "Describe the video.", ". ".join(sentences)
 
 
-_TASK_BUILDERS: dict[str, Callable[[np.random.Generator], _Built]] = {
+_TASK_BUILDERS: dict[str, Callable[[np.random.Generator, MediaFormat], _Built]] = {
     "video_direction": _video_direction,
     "video_blink": _video_blink,
     "video_color": _video_color,
@@ -416,22 +535,43 @@ assert tuple(_TASK_BUILDERS) == TASKS
 # ------------------------------------------------------------------------------ API
 
 
-def make_sample(rng: np.random.Generator, task: str) -> Sample:
-    """One random sample of `task`, with its media rendered in memory."""
+_DRAWN = MediaFormat()
+
+
+def make_scene(rng: np.random.Generator, task: str, fmt: MediaFormat = _DRAWN) -> tuple[Scene, str, str]:
+    """(scene, question, answer) of one random sample of `task`, nothing rendered:
+    consumes `rng` exactly as ``make_sample`` does."""
     try:
         build = _TASK_BUILDERS[task]
     except KeyError:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}") from None
-    scene, question, answer = build(rng)
+    if fmt.size is not None:
+        w, h = fmt.size
+        if not (w > 0 and h > 0 and w % 2 == 0 and h % 2 == 0):
+            raise ValueError(f"frame size must be positive and even, got {fmt.size}")
+    if fmt.fps is not None and not MIN_FPS <= fmt.fps <= MAX_FPS:
+        raise ValueError(f"fps must be in [{MIN_FPS}, {MAX_FPS}], got {fmt.fps}")
+    return build(rng, fmt)
+
+
+def make_sample(rng: np.random.Generator, task: str, fmt: MediaFormat = _DRAWN) -> Sample:
+    """One random sample of `task`, with its media rendered in memory. ``fmt`` fixes the
+    frame size / rate instead of drawing them (the rest is drawn as usual)."""
+    scene, question, answer = make_scene(rng, task, fmt)
     shape, beeps = scene.shape, scene.beeps
-    video = scene.kind == "video"
+    frames = image = None
+    if scene.kind == "video" and shape is not None:
+        assert scene.fps is not None
+        frames = render_frames(shape, sampled_frame_times(scene.fps), scene.width, scene.height)
+    elif scene.kind == "image" and shape is not None:
+        image = render_image(shape, scene.width, scene.height)
     return Sample(
         task=task,
         question=question,
         answer=answer,
         media=scene.media,
-        frames=render_frames(shape, SAMPLED_FRAME_TIMES) if video and shape else None,
-        image=render_image(shape) if scene.kind == "image" and shape else None,
+        frames=frames,
+        image=image,
         audio=render_audio(beeps) if beeps is not None else None,
         scene=scene,
     )
@@ -480,9 +620,10 @@ def write_media(sample: Sample, directory: Path, stem: str) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     scene = sample.scene
     if scene.kind == "video":
-        assert scene.shape is not None
+        assert scene.shape is not None and scene.fps is not None
         path = directory / f"{stem}.mp4"
-        _write_mp4(path, render_frames(scene.shape, VIDEO_FRAME_TIMES), sample.audio)
+        frames = render_frames(scene.shape, video_frame_times(scene.fps), scene.width, scene.height)
+        _write_mp4(path, frames, scene.fps, sample.audio)
     elif scene.kind == "image":
         assert sample.image is not None
         path = directory / f"{stem}.png"
@@ -497,18 +638,19 @@ def write_media(sample: Sample, directory: Path, stem: str) -> list[Path]:
 def _video_codec() -> tuple[str, dict[str, str]]:
     """Near-lossless settings: the server's frames must match the training frames."""
     if "libx264" in av.codecs_available:
-        # Single-threaded: a 56x56 frame gains nothing from threads, and the output
+        # Single-threaded: frames this small gain little from threads, and the output
         # is then reproducible.
         return "libx264", {"crf": "4", "preset": "ultrafast", "threads": "1"}
     return "mpeg4", {"qmin": "1", "qmax": "2", "b": "4M"}
 
 
-def _write_mp4(path: Path, frames: np.ndarray, sound: np.ndarray | None) -> None:
+def _write_mp4(path: Path, frames: np.ndarray, fps: Fraction, sound: np.ndarray | None) -> None:
     codec, options = _video_codec()
-    samples_per_frame = SAMPLE_RATE // VIDEO_FPS
+    # Sound sample at which frame i's interval starts (exact: NTSC rates are fractions).
+    sound_at = [math.floor(i * SAMPLE_RATE / fps) for i in range(len(frames) + 1)]
     with av.open(str(path), "w", format="mp4") as out:
-        video = out.add_stream(codec, rate=VIDEO_FPS)
-        video.width = video.height = FRAME
+        video = out.add_stream(codec, rate=fps)  # time base 1 / fps: pts i is frame i
+        video.width, video.height = frames.shape[2], frames.shape[1]
         video.pix_fmt = "yuv420p"
         video.options = options
         audio = None
@@ -518,14 +660,15 @@ def _write_mp4(path: Path, frames: np.ndarray, sound: np.ndarray | None) -> None
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
             frame.pts = i
             out.mux(video.encode(frame))
-            if audio is not None:  # interleave: the sound of this frame's 0.1 s
-                chunk = sound[i * samples_per_frame : (i + 1) * samples_per_frame]
-                _encode_audio(out, audio, chunk, i * samples_per_frame)
+            if audio is not None:  # interleave: the sound of this frame's interval
+                chunk = sound[sound_at[i] : sound_at[i + 1]]
+                if chunk.size:
+                    _encode_audio(out, audio, chunk, sound_at[i])
         out.mux(video.encode())
         if audio is not None:
-            rest = sound[len(frames) * samples_per_frame :]
+            rest = sound[sound_at[-1] :]
             if rest.size:
-                _encode_audio(out, audio, rest, len(frames) * samples_per_frame)
+                _encode_audio(out, audio, rest, sound_at[-1])
             out.mux(audio.encode())
 
 

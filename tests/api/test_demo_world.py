@@ -1,12 +1,14 @@
 """api.demo.world: the synthetic world's questions/answers, its invariants (shapes inside
-the frame, separate blinks, countable beeps), reproducibility, speed, and agreement
-between the in-memory training media and what the server decodes from written files."""
+the frame, separate blinks, countable beeps), its variety of frame sizes and rates,
+reproducibility, speed, and agreement between the in-memory training media and what the
+server decodes from written files."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -15,22 +17,29 @@ import pytest
 from api.demo import world
 from api.demo.world import (
     COLORS,
+    COMMON_RATES,
+    COMMON_SIZES,
     DIRECTIONS,
-    FRAME,
     SAMPLE_FPS,
     SAMPLE_RATE,
     SAMPLED_FRAMES,
     SHAPES,
     TASKS,
-    VIDEO_FPS,
     VIDEO_SECONDS,
+    MediaFormat,
     Sample,
     answer_matches,
     make_eval_set,
     make_sample,
+    make_scene,
     sample_stream,
+    sampled_frame_indices,
+    sampled_frame_times,
+    video_frame_count,
+    video_frame_times,
     write_media,
 )
+from encoders.presets import DEMO_PREPROCESS
 from media import (
     MediaError,
     load_audio,
@@ -68,6 +77,9 @@ MEDIA = {
     "describe": ("video",),
 }
 VIDEO_TASKS = tuple(t for t in TASKS if "video" in MEDIA[t])
+VISUAL_TASKS = tuple(t for t in TASKS if {"video", "image"} & set(MEDIA[t]))
+# Every frame rate the world draws: the common ones and the integers in between.
+ALL_RATES = sorted({*COMMON_RATES, *(Fraction(r) for r in range(world.MIN_FPS, world.MAX_FPS + 1))})
 
 # Pixels brighter than this in their strongest channel belong to the shape (every
 # colour has a channel >= 200; the background is black).
@@ -124,33 +136,48 @@ def assert_same_sample(a: Sample, b: Sample) -> None:
             assert np.array_equal(x, y)
 
 
-def samples_of(task: str, n: int, seed: int = 0) -> list[Sample]:
+def samples_of(task: str, n: int, seed: int = 0, fmt: MediaFormat = MediaFormat()) -> list[Sample]:
     rng = np.random.default_rng([seed, TASKS.index(task)])
-    return [make_sample(rng, task) for _ in range(n)]
+    return [make_sample(rng, task, fmt) for _ in range(n)]
+
+
+def short_side(s: Sample) -> int:
+    return min(s.scene.width, s.scene.height)
 
 
 # ------------------------------------------------------------------------ timing
 
 
-def test_sampled_frames_are_what_the_server_sampler_shows() -> None:
+@pytest.mark.parametrize("fps", ALL_RATES, ids=str)
+def test_sampled_frames_are_what_the_server_sampler_shows(fps: Fraction) -> None:
+    count = video_frame_count(fps)
+    assert count == round(VIDEO_SECONDS * fps)
     info = world.VideoInfo(
-        duration=VIDEO_SECONDS, fps=float(VIDEO_FPS), frame_count=40, width=FRAME,
-        height=FRAME, codec="h264", rotation=0, keyframe_times=(0.0,), seekable=True,
+        duration=float(count / fps), fps=float(fps), frame_count=count, width=640,
+        height=360, codec="h264", rotation=0, keyframe_times=(0.0,), seekable=True,
         container="mp4",
     )
     targets = plan_sampling(info, fps=SAMPLE_FPS, max_frames=SAMPLED_FRAMES)
     assert targets == [0.25, 0.75, 1.25, 1.75, 2.25, 2.75, 3.25, 3.75]
-    assert world.SAMPLED_FRAME_INDICES == (2, 7, 12, 17, 22, 27, 32, 37)
-    np.testing.assert_allclose(world.SAMPLED_FRAME_TIMES, np.array(targets) - 0.05)
+    # The last frame whose (exact) pts k / fps is <= the target.
+    expected = tuple(max(k for k in range(count) if Fraction(k) / fps <= Fraction(t)) for t in targets)
+    assert sampled_frame_indices(fps) == expected
+    times = video_frame_times(fps)
+    assert times.shape == (count,) and times[-1] < VIDEO_SECONDS
+    np.testing.assert_array_equal(sampled_frame_times(fps), times[list(expected)])
+    if fps == 10:
+        assert expected == (2, 7, 12, 17, 22, 27, 32, 37)
+        np.testing.assert_allclose(sampled_frame_times(fps), np.array(targets) - 0.05)
 
 
 def test_sampled_times_are_far_from_blink_and_colour_boundaries() -> None:
-    for t in world.SAMPLED_FRAME_TIMES:
-        # Blink slots change every 0.5 s, colour at 2.0 s: keep >= 0.15 s away (more
-        # than one 10 fps frame), so neither the sampler nor the frame grid can flip them.
-        phase = t % world.BLINK_SLOT
-        assert min(phase, world.BLINK_SLOT - phase) >= 0.15
-        assert abs(t - world.COLOR_SWITCH_TIME) >= 0.15
+    for fps in ALL_RATES:
+        for t in sampled_frame_times(fps):
+            # Blink slots change every 0.5 s, colour at 2.0 s: keep >= 0.15 s away (more
+            # than one 10 fps frame), so neither the sampler nor the frame grid can flip them.
+            phase = t % world.BLINK_SLOT
+            assert min(phase, world.BLINK_SLOT - phase) >= 0.15 - 1e-9, (fps, t)
+            assert abs(t - world.COLOR_SWITCH_TIME) >= 0.15 - 1e-9, (fps, t)
 
 
 def test_generation_is_fast() -> None:
@@ -220,21 +247,68 @@ def test_answers_media_and_arrays(task: str) -> None:
         assert s.answer == s.answer.strip().lower() and not s.answer.endswith(".")
         assert s.media == MEDIA[task] == s.scene.media
         assert s.question.endswith("?") or task == "describe"
+        w, h = s.scene.width, s.scene.height
         if "video" in s.media:
             assert s.frames is not None and s.frames.dtype == np.uint8
-            assert s.frames.shape == (SAMPLED_FRAMES, FRAME, FRAME, 3)
+            assert s.frames.shape == (SAMPLED_FRAMES, h, w, 3)
+            assert world.MIN_FPS <= s.scene.fps <= world.MAX_FPS
         else:
             assert s.frames is None
         if "image" in s.media:
             assert s.image is not None and s.image.dtype == np.uint8
-            assert s.image.shape == (FRAME, FRAME, 3)
+            assert s.image.shape == (h, w, 3)
+        if {"video", "image"} & set(s.media):
+            assert world.MIN_SIDE <= min(w, h) and max(w, h) <= world.MAX_SIDE
+            assert w % 2 == 0 and h % 2 == 0
         else:
+            assert s.image is None and (w, h, s.scene.fps) == (0, 0, None)
+        if "image" not in s.media:
             assert s.image is None
         if "audio" in s.media:
             assert s.audio is not None and s.audio.dtype == np.float32 and s.audio.ndim == 1
             assert np.abs(s.audio).max() <= 1.0
         else:
             assert s.audio is None
+
+
+def test_frame_sizes_and_rates_vary_like_user_files() -> None:
+    """Portrait, landscape and square frames from ~48 to 640 px, a good share of them
+    everyday sizes; 10-30 fps clips; all small once the server has resized them."""
+    scenes = [make_scene(rng, task)[0] for task in VISUAL_TASKS
+              for rng in [np.random.default_rng([5, TASKS.index(task)])] for _ in range(150)]
+    sizes = [(sc.width, sc.height) for sc in scenes]
+    assert all(world.MIN_SIDE <= min(z) and max(z) <= world.MAX_SIDE for z in sizes)
+    assert all(max(z) <= world.MAX_ASPECT * min(z) for z in sizes if z not in COMMON_SIZES)
+    common = sum(z in COMMON_SIZES for z in sizes) / len(sizes)
+    assert 0.35 <= common <= 0.65, common
+    assert {(640, 360), (320, 240), (360, 640), (56, 56), (256, 256)} <= set(sizes)
+    assert len(set(sizes)) > 200
+    shares = [np.mean([cmp(w, h) for w, h in sizes]) for cmp in (int.__gt__, int.__lt__, int.__eq__)]
+    assert min(shares) >= 0.08, shares  # landscape, portrait, square
+    shorts, longs = [min(z) for z in sizes], [max(z) for z in sizes]
+    assert min(shorts) <= 60 and max(longs) >= 600 and np.median(shorts) >= 150
+    rates = [sc.fps for sc in scenes if sc.kind == "video"]
+    assert set(rates) <= set(ALL_RATES) and len(set(rates)) >= 15
+    assert {Fraction(30000, 1001), Fraction(10), Fraction(30)} <= set(rates)
+    # The server's resize brings every one of them to 56..84 px a side (4..10 merged
+    # tokens per frame pair): the vision token count stays small.
+    for w, h in set(sizes):
+        th, tw = DEMO_PREPROCESS.target_size(h, w)
+        assert th * tw <= DEMO_PREPROCESS.max_pixels and th * tw >= DEMO_PREPROCESS.min_pixels // 2
+        assert (th // 28) * (tw // 28) <= 10
+
+
+def test_media_format_can_be_fixed() -> None:
+    rng = np.random.default_rng(0)
+    s = make_sample(rng, "video_direction", MediaFormat(size=(640, 360), fps=Fraction(30000, 1001)))
+    assert (s.scene.width, s.scene.height, s.scene.fps) == (640, 360, Fraction(30000, 1001))
+    assert s.frames.shape == (SAMPLED_FRAMES, 360, 640, 3)
+    s = make_sample(rng, "image_shape", MediaFormat(size=(56, 96)))
+    assert s.image.shape == (96, 56, 3)
+    with pytest.raises(ValueError, match="even"):
+        make_sample(rng, "image_shape", MediaFormat(size=(55, 96)))
+    with pytest.raises(ValueError, match="fps"):
+        make_sample(rng, "video_blink", MediaFormat(fps=5))
 
 
 def test_questions_name_the_shape() -> None:
@@ -249,22 +323,31 @@ def test_questions_name_the_shape() -> None:
 
 @pytest.mark.parametrize("task", ["video_direction", "describe"])
 def test_motion_is_visible_and_inside_the_frame(task: str) -> None:
-    for s in samples_of(task, 40):
+    samples = samples_of(task, 40)
+    samples += samples_of(task, 4, fmt=MediaFormat(size=(48, 48), fps=11))  # the tightest
+    for s in samples:
         shape = s.scene.shape
         direction = s.answer if task == "video_direction" else s.answer.split()[4]
         if task == "describe":
             assert s.answer.startswith(f"a {shape.color} {shape.kind} moves {direction} ")
         # Every frame of the file, not only the sampled ones, keeps a free border.
-        full = world.render_frames(shape, world.VIDEO_FRAME_TIMES)
+        full = world.render_frames(shape, video_frame_times(s.scene.fps), s.scene.width, s.scene.height)
         border = shape_mask(full)
         assert not border[:, 0].any() and not border[:, -1].any()
         assert not border[:, :, 0].any() and not border[:, :, -1].any()
+        # The sampled frames are those frames of the file.
+        assert np.array_equal(s.frames, full[list(sampled_frame_indices(s.scene.fps))])
         centres = np.array([centroid(f) for f in s.frames])
         axis = 0 if direction in ("left", "right") else 1
         sign = 1 if direction in ("right", "down") else -1
         steps = np.diff(centres[:, axis]) * sign
-        assert steps.min() >= 3.0 - 1e-6, steps  # clearly visible between sampled frames
-        assert np.abs(np.diff(centres[:, 1 - axis])).max() < 0.5  # a straight line
+        # Clearly visible between sampled frames: >= 4 % of the shorter side (>= 2.2 px
+        # once resized to 56 px), however the frame rate spaces the sampled frames.
+        assert steps.min() >= 0.04 * short_side(s), (s.scene, steps)
+        # Edge to edge: the travel covers most of the frame along the motion.
+        along = s.scene.width if axis == 0 else s.scene.height
+        assert abs(centres[-1, axis] - centres[0, axis]) >= 0.35 * along * (7 / 8)
+        assert np.abs(np.diff(centres[:, 1 - axis])).max() < max(0.5, 0.005 * short_side(s))  # a straight line
         assert {nearest_color(f) for f in s.frames} == {shape.color}
 
 
@@ -296,8 +379,11 @@ def test_images(task: str) -> None:
         shape = s.scene.shape
         mask = shape_mask(s.image)
         ys, xs = np.nonzero(mask)
-        assert 0 < xs.min() and xs.max() < FRAME - 1 and 0 < ys.min() and ys.max() < FRAME - 1
+        w, h = s.scene.width, s.scene.height
+        assert 0 < xs.min() and xs.max() < w - 1 and 0 < ys.min() and ys.max() < h - 1
         assert nearest_color(s.image) == shape.color
+        # Sized relative to the picture: 18-24 px of 56.
+        assert 18 / 56 - 1e-9 <= shape.size / min(w, h) <= 24 / 56 + 1e-9
         fill = mask.sum() / shape.size**2  # area relative to the bounding box
         expected = {"square": 1.0, "circle": math.pi / 4, "triangle": 0.5}[shape.kind]
         assert abs(fill - expected) < 0.2, (shape.kind, fill)
@@ -344,32 +430,64 @@ def _file_samples(task: str) -> list[Sample]:
     return samples_of(task, 3 if task == "video_audio_beeps" else 1, seed=11)
 
 
+def _check_video_file(s: Sample, path: Path) -> None:
+    """The server's decode of the written file is the training frames (and sound)."""
+    w, h, fps = s.scene.width, s.scene.height, s.scene.fps
+    info = probe_video(path)
+    assert (info.width, info.height) == (w, h)
+    assert info.frame_count == video_frame_count(fps) and abs(info.fps - float(fps)) < 1e-6
+    assert abs(info.duration - VIDEO_SECONDS) < 0.05
+    decoded = load_video(path, fps=SAMPLE_FPS, max_frames=SAMPLED_FRAMES)
+    frames = decoded.frames.numpy()
+    assert frames.shape == (SAMPLED_FRAMES, h, w, 3)
+    diff = np.abs(frames.astype(np.int16) - s.frames.astype(np.int16))
+    assert diff.mean(axis=(1, 2, 3)).max() < 4.0
+    assert light_on(frames) == light_on(s.frames)
+    # The sampler picked the very frames training renders: a neighbour (1/fps earlier
+    # or later) of a moving shape would be further off than the codec's error.
+    full = world.render_frames(s.scene.shape, video_frame_times(fps), w, h)
+    for got, k in zip(frames, sampled_frame_indices(fps)):
+        errors = {j: np.abs(got.astype(np.int16) - full[j]).mean() for j in (k - 1, k, k + 1)
+                  if 0 <= j < len(full)}
+        assert min(errors, key=errors.get) == k or s.scene.shape.start == s.scene.shape.end
+    for got, want in zip(frames, s.frames):
+        if shape_mask(want).sum() >= LIGHT_PIXELS:
+            gx, gy = centroid(got)
+            wx, wy = centroid(want)
+            assert abs(gx - wx) <= 1.0 and abs(gy - wy) <= 1.0
+            assert nearest_color(got) == nearest_color(want)
+    if s.audio is not None:
+        track = load_audio(path).numpy()
+        assert abs(track.size - s.audio.size) <= 2048  # AAC pads the last frame
+        assert count_beeps(track) == count_beeps(s.audio) == int(s.answer)
+    else:
+        with pytest.raises(MediaError, match="no audio"):
+            load_audio(path)
+
+
 @pytest.mark.parametrize("task", VIDEO_TASKS)
 def test_video_files_decode_to_the_training_frames(task: str, tmp_path: Path) -> None:
     for k, s in enumerate(_file_samples(task)):
         paths = write_media(s, tmp_path, f"clip{k}")
         assert [p.suffix for p in paths] == [".mp4"] and paths[0].name == f"clip{k}.mp4"
-        info = probe_video(paths[0])
-        assert info.frame_count == 40 and abs(info.duration - VIDEO_SECONDS) < 0.05
-        decoded = load_video(paths[0], fps=SAMPLE_FPS, max_frames=SAMPLED_FRAMES)
-        frames = decoded.frames.numpy()
-        assert frames.shape == (SAMPLED_FRAMES, FRAME, FRAME, 3)
-        diff = np.abs(frames.astype(np.int16) - s.frames.astype(np.int16))
-        assert diff.mean(axis=(1, 2, 3)).max() < 4.0
-        assert light_on(frames) == light_on(s.frames)
-        for got, want in zip(frames, s.frames):
-            if shape_mask(want).sum() >= LIGHT_PIXELS:
-                gx, gy = centroid(got)
-                wx, wy = centroid(want)
-                assert abs(gx - wx) <= 1.0 and abs(gy - wy) <= 1.0
-                assert nearest_color(got) == nearest_color(want)
-        if s.audio is not None:
-            track = load_audio(paths[0]).numpy()
-            assert abs(track.size - s.audio.size) <= 2048  # AAC pads the last frame
-            assert count_beeps(track) == count_beeps(s.audio) == int(s.answer)
-        else:
-            with pytest.raises(MediaError, match="no audio"):
-                load_audio(paths[0])
+        _check_video_file(s, paths[0])
+
+
+@pytest.mark.parametrize(("size", "fps", "task"), [
+    ((640, 360), 30, "video_direction"),
+    ((360, 640), Fraction(30000, 1001), "video_audio_beeps"),
+    ((320, 240), 24, "video_blink"),
+    ((56, 56), 10, "describe"),
+    ((48, 96), 13, "video_direction"),
+    ((256, 256), Fraction(24000, 1001), "video_color"),
+    ((600, 250), 25, "video_audio_beeps"),
+], ids=str)
+def test_video_files_of_every_size_and_rate_decode_to_the_training_frames(
+    size: tuple[int, int], fps: Fraction, task: str, tmp_path: Path
+) -> None:
+    for k, s in enumerate(samples_of(task, 2, seed=12, fmt=MediaFormat(size=size, fps=fps))):
+        (path,) = write_media(s, tmp_path, f"clip{k}")
+        _check_video_file(s, path)
 
 
 @pytest.mark.parametrize("task", ["image_shape", "image_color"])
