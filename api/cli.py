@@ -182,12 +182,21 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_prefix_cache(args: argparse.Namespace) -> dict:
-    from llm_core.bench.prefix_cache import plot_sweep, prefix_cache_bench, sweep
+    from llm_core.bench.prefix_cache import plot_sweep, plot_tier_sweep, prefix_cache_bench, sweep, tier_sweep
 
     if args.trace is None:
         raise ValueError("bench prefix-cache needs --trace (a directory of sessions or a .jsonl file)")
     result = prefix_cache_bench(args.trace, args.full_pool_tokens, args.swa_fraction,
-                                checkpoint_interval=args.checkpoint_interval or None, limit=args.limit)
+                                checkpoint_interval=args.checkpoint_interval or None, limit=args.limit,
+                                host_tokens=args.host_tokens, disk_tokens=args.disk_tokens)
+    if args.tier_plot:
+        sizes = [int(float(x)) for x in args.host_sweep.split(",")]
+        points = list(tier_sweep(args.trace, sizes, args.full_pool_tokens, args.swa_fraction, args.disk_tokens,
+                                 checkpoint_interval=args.checkpoint_interval or None, limit=args.limit))
+        plot_tier_sweep(points, result["upper_bound"], args.full_pool_tokens, args.tier_plot,
+                        f"{Path(args.trace).name}: hit rate vs host tier")
+        result["tier_sweep"] = points
+        result["tier_plot"] = args.tier_plot
     if args.plot:
         fractions = [float(f) for f in args.sweep.split(",")]
         points = list(sweep(args.trace, fractions, args.full_pool_tokens,
@@ -305,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "load: save TTFT and throughput against concurrency as a PNG here")
     bench.add_argument("--sweep", default="0.005,0.01,0.02,0.05,0.1,0.25,1.0",
                        help="prefix-cache: SWA pool fractions for --plot")
+    bench.add_argument("--host-tokens", type=int, default=0,
+                       help="prefix-cache: host-memory tier, in tokens of full-layer KV (0: none)")
+    bench.add_argument("--disk-tokens", type=int, default=0,
+                       help="prefix-cache: disk tier, in tokens of full-layer KV (0: none)")
+    bench.add_argument("--tier-plot", help="prefix-cache: also sweep host tier sizes and save a PNG here")
+    bench.add_argument("--host-sweep", default="0,1e6,2e6,4e6,8e6,16e6,32e6,64e6",
+                       help="prefix-cache: host tier sizes (tokens) for --tier-plot")
     bench.add_argument("--model", help="load, mtp: checkpoint to serve (default: the demo model)")
     bench.add_argument("--speculative-tokens", type=int,
                        help="mtp: drafts per step when on (default: one per MTP layer)")

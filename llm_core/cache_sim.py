@@ -10,16 +10,22 @@ With ``verify=True`` the simulator keeps a shadow of what every pool slot
 holds (which token prefix's KV was written there, cleared when the slot is
 freed) and checks every hit against it: a hit whose pages or window hold
 anything else is counted as a false hit.
+
+With host and disk tiers (``host_tokens``, ``disk_tokens``) the same
+``KVTiers`` bookkeeping as the engine's runs under the cache, transfers as
+byte counts; with ``verify`` a shadow of every tier entry moves with the
+demotions, spills and restores, so a restored hit is checked the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from llm_core.kv_pool import FullKVPool, KVAllocator, SWAKVPool
-from llm_core.prefix_cache import RadixCache
+from llm_core.kv_tiers import TIERS, KVTiers, Tier, TierConfig, token_bytes
+from llm_core.prefix_cache import PageKey, RadixCache
 from llm_core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence
 
 Policy = Literal["window", "keep_all", "no_checkpoints"]
@@ -27,6 +33,8 @@ POLICIES: tuple[Policy, ...] = ("window", "keep_all", "no_checkpoints")
 # How the shadow tells token runs apart: by the tokens themselves, or, for
 # traces whose pages are determined by their first token, by that token (cheap).
 PageIdentity = Literal["tokens", "first_token"]
+# Tier "bytes" are 1/16 of a token of full-layer KV: a fractional SWA cost stays exact enough.
+TIER_UNIT = 16
 
 
 @dataclass
@@ -39,6 +47,7 @@ class SimResult:
     verified_hits: int = 0
     peak_full_tokens: int = 0
     peak_swa_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, **{t: 0 for t in TIERS}})
 
     @property
     def hit_rate(self) -> float:
@@ -49,7 +58,11 @@ class CacheSimulator:
     """``policy``: ``window`` (this engine: SWA ring, checkpoints, fallback),
     ``keep_all`` (SWA KV kept for every token, as engines without SWA support
     do), ``no_checkpoints`` (SWA ring, SWA kept only where requests end,
-    tombstones without fallback)."""
+    tombstones without fallback).
+
+    ``host_tokens`` / ``disk_tokens``: tier budgets in tokens of full-layer KV;
+    a position of SWA KV costs ``swa_token_cost`` of them (the byte ratio of
+    the model's SWA and full layers)."""
 
     def __init__(
         self,
@@ -62,23 +75,34 @@ class CacheSimulator:
         checkpoint_interval: int | None = None,
         verify: bool = False,
         page_identity: PageIdentity = "tokens",
+        host_tokens: int = 0,
+        disk_tokens: int = 0,
+        swa_token_cost: float = 1.0,
     ) -> None:
         mode = "full" if policy == "keep_all" else "hybrid"
         self.page_size = page_size
         self.allocator = KVAllocator(
             FullKVPool(full_tokens // page_size, page_size), SWAKVPool(swa_tokens, 1), window, mode
         )
+        self._shadow = _ShadowPools(self.allocator, page_size, page_identity) if verify else None
+        self.tiers: KVTiers | None = None
+        if host_tokens:
+            unit = TIER_UNIT
+            config = TierConfig(host_tokens * unit, disk_tokens * unit, page_size * unit,
+                                max(1, round(swa_token_cost * unit)))
+            self.tiers = KVTiers(config, ShadowTierIO(self._shadow) if self._shadow is not None else None)
         self.cache = RadixCache(
             self.allocator,
             checkpoint_interval,
             fallback=policy != "no_checkpoints",
             prompt_checkpoints=policy != "no_checkpoints",
+            tiers=self.tiers,
+            key_bytes=_first_token_bytes if page_identity == "first_token" else token_bytes,
         )
         self.scheduler = Scheduler(self.allocator, SchedulerConfig(1, chunk, chunk), self.cache)
         self.result = SimResult()
         self._next_id = 0
         self._verified: set[int] = set()  # requests whose hit was checked
-        self._shadow = _ShadowPools(self.allocator, page_size, page_identity) if verify else None
 
     def run(
         self,
@@ -114,10 +138,24 @@ class CacheSimulator:
             self.scheduler.finish(seq, "abort")
             self.result.failed += 1
         cached = seq.cached_tokens or 0
+        self.result.cached_tokens_by_tier = dict(self.cache.stats.cached_tokens_by_tier)
         self.result.requests += 1
         self.result.prompt_tokens += len(prompt)
         self.result.cached_tokens += cached
         return cached
+
+    def tier_stats(self) -> dict[str, object] | None:
+        """The tiers' statistics with sizes in tokens of full-layer KV."""
+        if self.tiers is None:
+            return None
+        out: dict[str, object] = {}
+        for name, value in self.tiers.as_dict().items():
+            name = name.replace("_bytes", "_tokens")
+            if isinstance(value, dict):
+                out[name] = {k: v / TIER_UNIT for k, v in value.items()} if "tokens" in name else value
+            else:
+                out[name] = value / TIER_UNIT if "tokens" in name else value  # type: ignore[operator]
+        return out
 
     def _verify_hit(self, chunk: ScheduledChunk) -> None:
         seq = chunk.seq
@@ -214,3 +252,50 @@ class _ShadowPools:
         first = max(0, hit - window_tokens)
         return all(self.swa[slot] == self._content(pos)
                    for pos, slot in zip(range(first, hit), view.swa_slots(first, hit)))
+
+
+def _first_token_bytes(key: PageKey) -> bytes:
+    """Trace pages are fixed by their first token: address them by it alone."""
+    return int(key[0]).to_bytes(8, "little", signed=True)  # type: ignore[index]
+
+
+class ShadowTierIO:
+    """A ``TierIO`` over the shadow pools: each tier entry holds the shadow
+    ids of the slots it was saved from, and a restore writes them back, so
+    a hit through the tiers is checked against what it really restored.
+    ``corrupt`` marks an entry whose next load fails (as a checksum would)."""
+
+    def __init__(self, shadow: _ShadowPools) -> None:
+        self.shadow = shadow
+        self.entries: dict[Tier, dict[bytes, object]] = {t: {} for t in TIERS}
+        self.corrupted: set[tuple[Tier, bytes]] = set()
+
+    def save_full(self, key: bytes, page: int) -> None:
+        self.entries["host"][key] = self.shadow.full[page]
+
+    def save_swa(self, key: bytes, slots: list[int]) -> None:
+        self.entries["host"][key] = [self.shadow.swa[s] for s in slots]
+
+    def spill(self, key: bytes) -> None:
+        self.entries["disk"][key] = self.entries["host"][key]
+
+    def discard(self, tier: Tier, key: bytes) -> None:
+        self.entries[tier].pop(key, None)
+        self.corrupted.discard((tier, key))
+
+    def corrupt(self, tier: Tier, key: bytes) -> None:
+        self.corrupted.add((tier, key))
+
+    def load_full(self, tier: Tier, key: bytes, page: int) -> bool:
+        if (tier, key) in self.corrupted:
+            return False
+        self.shadow.full[page] = self.entries[tier][key]  # type: ignore[assignment]
+        return True
+
+    def load_swa(self, tier: Tier, key: bytes, slots: list[int]) -> bool:
+        if (tier, key) in self.corrupted:
+            return False
+        held = self.entries[tier][key]
+        for slot, content in zip(slots, held[len(held) - len(slots):]):  # type: ignore[index,arg-type]
+            self.shadow.swa[slot] = content
+        return True

@@ -13,16 +13,24 @@ end of a finished request, and optionally every ``checkpoint_interval``
 tokens. Full KV and SWA KV have separate LRU eviction; nodes used by running
 requests are locked. No torch here: the same cache runs in the engine and in
 the trace simulator.
+
+With ``KVTiers`` below it (``kv_tiers.py``), the tree is what is on the
+device and evicting demotes instead of dropping: a full page and the SWA
+suffix of a page go to host memory (then disk) under the page's address. A
+match walks the tree and then keeps going by address through the tiers; it
+is window-safe when every page's full KV and every window page's SWA KV are
+each on some tier, and ``attach`` restores what is not on the device.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from llm_core.kv_pool import KVAllocator, SequenceView
+from llm_core.kv_tiers import TIERS, KVTiers, Tier, model_fingerprint, page_address, token_bytes
 
 PageKey = Hashable  # tuple of a page's token ids (engine) or a block identity (trace)
 
@@ -32,6 +40,7 @@ class RadixNode:
     key: PageKey | None
     parent: RadixNode | None
     depth: int  # pages from the root; this node covers positions [(depth-1)*ps, depth*ps)
+    address: bytes = b""  # hash chain of the prefix through this page (with tiers only)
     full_page: int = -1
     swa: list[int] | None = None  # SWA slots of this page's positions, None: tombstone
     children: dict[PageKey, RadixNode] = field(default_factory=dict)
@@ -55,15 +64,43 @@ class CacheLock:
 
 
 @dataclass(frozen=True)
+class TierPage:
+    """A page of a match past the device tree: where its full KV is."""
+
+    key: PageKey
+    address: bytes
+    tier: Tier
+
+
+@dataclass(frozen=True)
 class PrefixMatch:
-    nodes: tuple[RadixNode, ...]
+    nodes: tuple[RadixNode, ...]  # on the device
     length: int  # tokens
+    restore: tuple[TierPage, ...] = ()  # the pages after ``nodes``, from the tiers
+
+    def tokens_by_tier(self, page_size: int) -> dict[str, int]:
+        """Hit tokens by where their full KV was found."""
+        out = {"device": len(self.nodes) * page_size, **{t: 0 for t in TIERS}}
+        for page in self.restore:
+            out[page.tier] += page_size
+        return out
+
+
+@dataclass(frozen=True)
+class TierLengths:
+    """Cached (window-safe) prefix lengths using the device only, the device
+    and host memory, and every tier."""
+
+    device: int
+    host: int
+    disk: int
 
 
 @dataclass
 class CacheStats:
     cached_prompt_tokens: int = 0
     computed_prompt_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, **{t: 0 for t in TIERS}})
 
     @property
     def hit_rate(self) -> float:
@@ -79,12 +116,17 @@ class RadixCache:
         keep_all_swa: bool | None = None,
         fallback: bool = True,
         prompt_checkpoints: bool = True,
+        tiers: KVTiers | None = None,
+        fingerprint: bytes | None = None,
+        key_bytes: Callable[[PageKey], bytes] = token_bytes,
     ) -> None:
         """``keep_all_swa`` keeps SWA KV for every cached token (required when
         SWA layers keep the whole sequence, ``swa_mode="full"``);
         ``fallback=False`` matches only the deepest full-KV point and
         ``prompt_checkpoints=False`` keeps SWA only where requests finish
-        (together: the tombstones-without-checkpoints baseline)."""
+        (together: the tombstones-without-checkpoints baseline).
+        ``tiers``: host/disk tiers under the device, pages addressed by a hash
+        chain seeded with ``fingerprint`` over ``key_bytes`` of each page key."""
         self.allocator = allocator
         self.page_size = allocator.full.page_size
         self.window_tokens = max(allocator.window - 1, 0)  # W
@@ -92,7 +134,9 @@ class RadixCache:
         self.checkpoint_interval = checkpoint_interval
         self.fallback = fallback
         self.prompt_checkpoints = prompt_checkpoints
-        self.root = RadixNode(None, None, 0)
+        self.tiers = tiers if tiers is not None and tiers.config.enabled else None
+        self.key_bytes = key_bytes
+        self.root = RadixNode(None, None, 0, address=fingerprint or model_fingerprint("swallow"))
         self.stats = CacheStats()
         self._clock = itertools.count(1)
         self._tie = itertools.count()
@@ -117,50 +161,171 @@ class RadixCache:
 
     # --------------------------------------------------------------- match
     def match(self, keys: Sequence[PageKey], max_pages: int | None = None) -> PrefixMatch:
-        """Deepest window-safe prefix of ``keys`` (at most ``max_pages``)."""
+        """Deepest window-safe prefix of ``keys`` (at most ``max_pages``),
+        through the device tree and then the tiers."""
         ps = self.page_size
         limit = len(keys) if max_pages is None else min(len(keys), max_pages)
-        node, path = self.root, []
-        covered = 0  # tokens of live SWA KV ending at the current depth
-        best = 0
-        for key in keys[:limit]:
-            child = node.children.get(key)
-            if child is None:
-                break
-            path.append(child)
-            node = child
-            held = len(child.swa) if child.swa is not None else 0
-            covered = held + covered if held == ps else held
-            end = len(path) * ps
-            if covered >= end - self.window_start(end):
-                best = len(path)
-        if not self.fallback and best != len(path):
+        path, pages, best = self._walk(keys, limit, TIERS if self.tiers is not None else ())
+        if not self.fallback and best != len(path) + len(pages):
             best = 0
+        device = path[:best]
         stamp = next(self._clock)
-        for n in path[:best]:
+        for n in device:
             self._touch(n, stamp)
+        found = PrefixMatch(tuple(device), best * ps, tuple(pages[: max(0, best - len(path))]))
         # Only the window a hit reads counts as SWA use: checkpoints passed on
         # the way age, so the SWA pool keeps the ones that serve hits.
-        self._touch_swa([n for n, _ in self._window_nodes(path[:best], best * ps)], stamp, priority=1)
-        return PrefixMatch(tuple(path[:best]), best * ps)
+        window = self._window_needs(device, found)
+        self._touch_swa([n for n, _ in window if n is not None], stamp, priority=1)
+        if self.tiers is not None:  # what a restore will read goes last in the tiers' LRU
+            for page in found.restore:
+                self.tiers.touch_page(page.address)
+            for n, _ in window:
+                if n is not None:
+                    self.tiers.touch_page(n.address)
+        return found
 
-    def attach(self, view: SequenceView, match: PrefixMatch) -> CacheLock:
-        """Point an empty view at a matched prefix (no copy) and lock it."""
+    def peek(self, keys: Sequence[PageKey], max_pages: int | None = None) -> TierLengths:
+        """Cached lengths of ``keys`` per tier, changing nothing (no LRU touch)."""
+        limit = len(keys) if max_pages is None else min(len(keys), max_pages)
+        if self.tiers is None:
+            device = self._walk(keys, limit, ())[2] * self.page_size
+            return TierLengths(device, device, device)
+        return TierLengths(*(self._walk(keys, limit, tiers)[2] * self.page_size for tiers in ((), TIERS[:1], TIERS)))
+
+    def _walk(
+        self, keys: Sequence[PageKey], limit: int, tiers: Sequence[Tier]
+    ) -> tuple[list[RadixNode], list[TierPage], int]:
+        """The device nodes on ``keys``' path, the pages after them found in
+        ``tiers``, and how many pages of the two are a window-safe prefix."""
+        ps = self.page_size
+        node, path, pages = self.root, [], []
+        address = node.address
+        covered = 0  # tokens of SWA KV (on some tier) ending at the current depth
+        best = 0
+        for key in keys[:limit]:
+            child = node.children.get(key) if not pages else None
+            if child is not None:
+                path.append(child)
+                node, address = child, child.address
+                held = len(child.swa) if child.swa is not None else 0
+                if tiers and held < ps:
+                    held = max(held, self.tiers.swa_tokens(address, tiers))  # type: ignore[union-attr]
+            elif tiers:
+                address = page_address(address, self.key_bytes(key))
+                tier = self.tiers.full_tier(address, tiers)  # type: ignore[union-attr]
+                if tier is None:
+                    break
+                pages.append(TierPage(key, address, tier))
+                held = self.tiers.swa_tokens(address, tiers)  # type: ignore[union-attr]
+            else:
+                break
+            covered = held + covered if held == ps else held
+            end = (len(path) + len(pages)) * ps
+            if covered >= end - self.window_start(end):
+                best = len(path) + len(pages)
+        return path, pages, best
+
+    def _device_safe(self, nodes: Sequence[RadixNode]) -> int:
+        """How many of ``nodes`` are a window-safe prefix with device SWA alone."""
+        ps, covered, best = self.page_size, 0, 0
+        for i, n in enumerate(nodes):
+            held = len(n.swa) if n.swa is not None else 0
+            covered = held + covered if held == ps else held
+            end = (i + 1) * ps
+            if covered >= end - self.window_start(end):
+                best = i + 1
+        return best
+
+    def attach(self, view: SequenceView, match: PrefixMatch) -> CacheLock | None:
+        """Point an empty view at a matched prefix (no copy) and lock it. Pages
+        and windows found in the tiers are restored first; with no room for
+        them on the device, the view gets the deepest window-safe point of the
+        device part instead. None when a restore failed (a bad page, which is
+        forgotten): match again."""
         lock = CacheLock()
-        if not match.nodes:
+        nodes = list(match.nodes)
+        if not nodes and not match.restore:
             return lock
+        self._lock(lock, nodes, [])
         e = match.length
-        window = self._window_nodes(match.nodes, e)
-        view.full_pages = [n.full_page for n in match.nodes]
+        if self.tiers is not None and (match.restore or self._needs_swa(nodes, match)):
+            outcome = self._restore(nodes, match, lock)
+            if outcome is None:
+                self.release(lock)
+                return None
+            if not outcome:  # no room on the device
+                self._unlock_swa(lock)
+                keep = self._device_safe(nodes)
+                self._unlock(lock, keep)
+                nodes = nodes[:keep]
+                e = keep * self.page_size
+                if not nodes:
+                    return lock
+            stamp = next(self._clock)
+            for n in nodes:
+                self._touch(n, stamp)
+            self._touch_swa([n for n, _ in self._window_nodes(nodes, e)], stamp, priority=1)
+        window = self._window_nodes(nodes, e)
+        view.full_pages = [n.full_page for n in nodes]
         view.rewrote_full_pages(0)
-        view.shared_full_pages = len(match.nodes)
+        view.shared_full_pages = len(nodes)
         view.swa_base = self.window_start(e)
         view.swa_ring = [slot for n, need in window for slot in n.swa[len(n.swa) - need :]]  # type: ignore[index]
         view.shared_swa_end = e
         view.num_tokens = e
-        self._lock(lock, list(match.nodes), [n for n, _ in window])
+        self._unlock_swa(lock)
+        self._lock(lock, [], [n for n, _ in window])
         lock.checkpoints.add(e)
         return lock
+
+    def _window_needs(self, nodes: Sequence[RadixNode], match: PrefixMatch) -> list[tuple[RadixNode | None, int]]:
+        """(node or None for a page still in a tier, SWA tokens needed) of the match's window."""
+        padded: list[RadixNode | None] = [*nodes, *([None] * len(match.restore))]
+        ps, start = self.page_size, self.window_start(match.length)
+        return [(padded[j], (j + 1) * ps - max(start, j * ps)) for j in range(start // ps, match.length // ps)]
+
+    def _needs_swa(self, nodes: Sequence[RadixNode], match: PrefixMatch) -> bool:
+        return any(n is None or n.swa is None or len(n.swa) < need for n, need in self._window_needs(nodes, match))
+
+    def _restore(self, nodes: list[RadixNode], match: PrefixMatch, lock: CacheLock) -> bool | None:
+        """Bring ``match.restore``'s pages and the window's SWA onto the device,
+        as locked tree nodes appended to ``nodes``. False: no room (nothing
+        changed but evictions); None: a load failed."""
+        assert self.tiers is not None
+        needs = self._window_needs(nodes, match)
+        # Window pages already on the device must survive the evictions below.
+        self._lock(lock, [], [n for n, need in needs if n is not None and n.swa is not None and len(n.swa) >= need])
+        swa_needed = sum(need for n, need in needs if n is None or n.swa is None or len(n.swa) < need)
+        full, swa = self.allocator.full, self.allocator.swa
+        self.evict_full(len(match.restore) - full.free_pages)
+        self.evict_swa(swa_needed - swa.free_pages)
+        if full.free_pages < len(match.restore) or swa.free_pages < swa_needed:
+            return False
+        parent = nodes[-1] if nodes else self.root
+        for page in match.restore:
+            (slot,) = full.allocate(1)
+            if not self.tiers.load_full(page.address, slot):
+                full.release([slot])
+                return None
+            child = self._new_node(page.key, parent, slot, page.address)
+            self._lock(lock, [child], [])
+            nodes.append(child)
+            parent = child
+        for node, need in self._window_nodes(nodes, match.length):
+            held = len(node.swa) if node.swa is not None else 0
+            if held >= need:
+                continue
+            slots = swa.allocate(need)
+            if not self.tiers.load_swa(node.address, slots):
+                swa.release(slots)
+                return None
+            if node.swa is not None:
+                swa.release(node.swa)
+                self.swa_slots_cached -= held
+            node.swa = slots
+            self.swa_slots_cached += need
+        return True
 
     # -------------------------------------------------------------- insert
     def insert(
@@ -258,17 +423,21 @@ class RadixCache:
                 self._push_swa(n)
         lock.swa_nodes = []
 
-    def release(self, lock: CacheLock) -> None:
-        """The request is done with everything it held."""
-        self._unlock_swa(lock)
-        for n in reversed(lock.nodes):
+    def _unlock(self, lock: CacheLock, keep: int) -> None:
+        """Unlock ``lock.nodes[keep:]`` (a path: deepest first)."""
+        for n in reversed(lock.nodes[keep:]):
             n.lock -= 1
             if n.lock == 0 and n.alive and not n.children:
                 if n.swa is None:
-                    self._remove(n)  # never leave a tombstone leaf
+                    self._remove(n)
                 else:
                     self._push_full(n)
-        lock.nodes = []
+        del lock.nodes[keep:]
+
+    def release(self, lock: CacheLock) -> None:
+        """The request is done with everything it held."""
+        self._unlock_swa(lock)
+        self._unlock(lock, 0)  # never leaves a tombstone leaf
 
     # ------------------------------------------------------------ eviction
     def evict_full(self, num_pages: int) -> int:
@@ -309,8 +478,10 @@ class RadixCache:
             pass
 
     # ------------------------------------------------------------- helpers
-    def _new_node(self, key: PageKey, parent: RadixNode, full_page: int) -> RadixNode:
-        node = RadixNode(key, parent, parent.depth + 1, full_page=full_page)
+    def _new_node(self, key: PageKey, parent: RadixNode, full_page: int, address: bytes | None = None) -> RadixNode:
+        if address is None and self.tiers is not None:
+            address = page_address(parent.address, self.key_bytes(key))
+        node = RadixNode(key, parent, parent.depth + 1, address=address or b"", full_page=full_page)
         parent.children[key] = node
         self.num_nodes += 1
         return node
@@ -320,6 +491,8 @@ class RadixCache:
         leaf goes too (never leave one), otherwise it may become evictable."""
         freed = 0
         while True:
+            if self.tiers is not None:
+                self.tiers.demote_full(node.address, node.full_page)
             self.allocator.full.release([node.full_page])
             self._tombstone(node)
             node.alive = False
@@ -339,6 +512,8 @@ class RadixCache:
         if node.swa is None:
             return 0
         node.swa_priority = 0
+        if self.tiers is not None:
+            self.tiers.demote_swa(node.address, node.swa)
         self.allocator.swa.release(node.swa)
         n = len(node.swa)
         node.swa = None

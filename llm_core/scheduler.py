@@ -157,14 +157,24 @@ class Scheduler:
         """Reuse the longest window-safe cached prefix: no copy, no prefill."""
         assert self.cache is not None
         keys = self.cache.page_keys(seq.tokens(seq.num_tokens))
-        # At least one token must run to produce the next logits.
-        match = self.cache.match(keys, max_pages=(seq.num_tokens - 1) // self.cache.page_size)
-        seq.cache_lock = self.cache.attach(seq.view, match)
-        seq.num_computed = seq.mtp_done = match.length
+        while True:
+            # At least one token must run to produce the next logits.
+            match = self.cache.match(keys, max_pages=(seq.num_tokens - 1) // self.cache.page_size)
+            lock = self.cache.attach(seq.view, match)
+            if lock is not None:
+                break  # else a page failed to load from a tier and is forgotten: match again
+        seq.cache_lock = lock
+        seq.num_computed = seq.mtp_done = seq.view.num_tokens
         if seq.cached_tokens is None:
-            seq.cached_tokens = match.length
-            self.cache.stats.cached_prompt_tokens += match.length
-            self.cache.stats.computed_prompt_tokens += len(seq.prompt) - match.length
+            stats = self.cache.stats
+            seq.cached_tokens = seq.view.num_tokens
+            stats.cached_prompt_tokens += seq.cached_tokens
+            stats.computed_prompt_tokens += len(seq.prompt) - seq.cached_tokens
+            by_tier = match.tokens_by_tier(self.cache.page_size)
+            if seq.cached_tokens != match.length:  # no room to restore: the device part alone
+                by_tier = {tier: seq.cached_tokens if tier == "device" else 0 for tier in by_tier}
+            for tier, tokens in by_tier.items():
+                stats.cached_tokens_by_tier[tier] += tokens
 
     def _has_room(self, view: SequenceView, new_len: int) -> bool:
         """Whether ``view`` can grow, evicting cached prefixes if that helps."""

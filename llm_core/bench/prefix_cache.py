@@ -4,6 +4,11 @@ Traces record block hash ids instead of text: each block id becomes a fixed
 run of token ids (unique to that id), so two requests share exactly the
 leading blocks the trace says they share. Partial last blocks and outputs get
 fresh tokens that nothing else shares.
+
+With host and disk tiers (``host_tokens``, ``disk_tokens``: budgets in
+tokens of full-layer KV) the cache demotes what the device evicts and
+restores it on a hit; a checkpoint window's SWA positions are charged at
+the model's SWA-to-full byte ratio (``swa_token_cost``).
 """
 
 from __future__ import annotations
@@ -111,6 +116,17 @@ def upper_bound(requests: list[TraceRequest]) -> float:
     return cached / total if total else 0.0
 
 
+def swa_token_cost(preset: str = "mimo-v2-flash") -> float:
+    """Bytes of one position of SWA (and MTP) KV over one of full-layer KV."""
+    import torch
+
+    from llm_core.paged_attention import KVCacheTensors
+    from llm_core.presets import get_preset
+
+    tensors = KVCacheTensors(get_preset(preset), 0, 0, torch.bfloat16, "meta")
+    return tensors.swa_bytes_per_token / tensors.full_bytes_per_token
+
+
 def simulate(
     requests: list[TraceRequest],
     policy: Policy,
@@ -118,18 +134,28 @@ def simulate(
     swa_tokens: int,
     window: int = MIMO_WINDOW,
     checkpoint_interval: int | None = None,
+    host_tokens: int = 0,
+    disk_tokens: int = 0,
+    swa_cost: float = 1.0,
 ) -> dict[str, Any]:
     page_size = trace_page_size(requests)
     interval = checkpoint_interval if policy == "window" else None
     sim = CacheSimulator(page_size, window, full_tokens, swa_tokens, policy, checkpoint_interval=interval,
-                         verify=True, page_identity="first_token")
+                         verify=True, page_identity="first_token", host_tokens=host_tokens,
+                         disk_tokens=disk_tokens, swa_token_cost=swa_cost)
     factory = TokenFactory()
     for req in requests:
         sim.run(*factory.request(req))
     r = sim.result
+    tiers = sim.tier_stats()
     return {
         "policy": policy,
         "hit_rate": round(r.hit_rate, 4),
+        "hit_rate_by_tier": {t: round(n / r.prompt_tokens, 4) if r.prompt_tokens else 0.0
+                             for t, n in r.cached_tokens_by_tier.items()},
+        "host_tokens": host_tokens,
+        "disk_tokens": disk_tokens,
+        "tiers": tiers,
         "full_pool_tokens": full_tokens,
         "swa_pool_tokens": swa_tokens,
         "peak_full_tokens": r.peak_full_tokens,
@@ -147,13 +173,28 @@ def prefix_cache_bench(
     window: int = MIMO_WINDOW,
     checkpoint_interval: int | None = 4096,
     limit: int | None = None,
+    host_tokens: int = 0,
+    disk_tokens: int = 0,
+    preset: str = "mimo-v2-flash",
 ) -> dict[str, Any]:
+    """The window-safe cache (with tiers when ``host_tokens``) against the
+    baselines, and the infinite-cache bound, on one trace."""
     requests = load_trace(trace)[:limit]
     swa_tokens = int(full_tokens * swa_fraction)
-    ours = simulate(requests, "window", full_tokens, swa_tokens, window, checkpoint_interval)
-    keep_all = simulate(requests, "keep_all", full_tokens, full_tokens, window)
-    no_ckpt = simulate(requests, "no_checkpoints", full_tokens, swa_tokens, window)
+    cost = swa_token_cost(preset)
+    ours = simulate(requests, "window", full_tokens, swa_tokens, window, checkpoint_interval,
+                    host_tokens, disk_tokens, cost)
+    baselines = {}
+    if host_tokens:
+        device = simulate(requests, "window", full_tokens, swa_tokens, window, checkpoint_interval)
+        baselines["window_device_only"] = device
+    baselines["keep_all_swa_full_size_pool"] = simulate(requests, "keep_all", full_tokens, full_tokens, window)
+    baselines["tombstones_no_checkpoints_no_fallback"] = simulate(requests, "no_checkpoints", full_tokens,
+                                                                  swa_tokens, window)
     bound = upper_bound(requests)
+    tiers = {"host_tokens": host_tokens, "disk_tokens": disk_tokens, "swa_token_cost": round(cost, 4),
+             "hit_rate_by_tier": ours["hit_rate_by_tier"], "stats": ours["tiers"],
+             "hit_rate_device_only": baselines["window_device_only"]["hit_rate"]} if host_tokens else {}
     return {
         "trace": str(trace),
         "requests": len(requests),
@@ -162,6 +203,7 @@ def prefix_cache_bench(
         "window": window - 1,
         "checkpoint_interval": checkpoint_interval,
         "hit_rate": ours["hit_rate"],
+        "hit_rate_by_tier": ours["hit_rate_by_tier"],
         "upper_bound": round(bound, 4),
         "gap_to_upper_bound": round(bound - ours["hit_rate"], 4),
         "false_hits": ours["false_hits"],
@@ -169,7 +211,8 @@ def prefix_cache_bench(
         "peak_full_tokens": ours["peak_full_tokens"],
         "peak_swa_tokens": ours["peak_swa_tokens"],
         "swa_pool_tokens": swa_tokens,
-        "baselines": {"keep_all_swa_full_size_pool": keep_all, "tombstones_no_checkpoints_no_fallback": no_ckpt},
+        **tiers,
+        "baselines": baselines,
         "policy": ours,
     }
 
@@ -210,6 +253,50 @@ def plot_sweep(points: list[dict[str, Any]], bound: float, out: str | Path, titl
     ax.axhline(bound, color="grey", linestyle="--", label=f"upper bound (infinite cache) {bound:.3f}")
     ax.set_xscale("log")
     ax.set_xlabel("SWA pool size (% of full pool)")
+    ax.set_ylabel("prompt-token hit rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def tier_sweep(
+    trace: str | Path,
+    host_sizes: list[int],
+    full_tokens: int = 4_000_000,
+    swa_fraction: float = 0.05,
+    disk_tokens: int = 0,
+    window: int = MIMO_WINDOW,
+    checkpoint_interval: int | None = 4096,
+    limit: int | None = None,
+    preset: str = "mimo-v2-flash",
+) -> Iterator[dict[str, Any]]:
+    """Hit rate (and its part per tier) against the host tier's size."""
+    requests = load_trace(trace)[:limit]
+    cost = swa_token_cost(preset)
+    for host in host_sizes:
+        point = simulate(requests, "window", full_tokens, int(full_tokens * swa_fraction), window,
+                         checkpoint_interval, host, disk_tokens if host else 0, cost)
+        yield {k: point[k] for k in ("host_tokens", "disk_tokens", "hit_rate", "hit_rate_by_tier", "false_hits")}
+
+
+def plot_tier_sweep(points: list[dict[str, Any]], bound: float, device_tokens: int, out: str | Path,
+                    title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    xs = [max(p["host_tokens"], 1) / 1e6 for p in points]
+    ax.plot(xs, [p["hit_rate"] for p in points], marker="o", label="hit rate (device + host)")
+    ax.plot(xs, [p["hit_rate_by_tier"]["host"] for p in points], marker=".", linestyle=":",
+            label="of which restored from host memory")
+    ax.axhline(bound, color="grey", linestyle="--", label=f"upper bound (infinite cache) {bound:.3f}")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"host tier size (M tokens of full-layer KV; device pool {device_tokens / 1e6:g}M)")
     ax.set_ylabel("prompt-token hit rate")
     ax.set_ylim(0, 1)
     ax.set_title(title)

@@ -138,17 +138,24 @@ op = st.one_of(
     st.tuples(st.just("lock"), st.integers(0, 3)),
     st.tuples(st.just("lock_truncate"), st.integers(0, 3), st.integers(0, 60)),
     st.tuples(st.just("unlock"),),
+    st.tuples(st.just("corrupt"), st.integers(0, 1 << 30)),
+    st.tuples(st.just("flush"),),  # everything unlocked leaves the device (to the tiers, if any)
 )
+# (host, disk) tier budgets in tokens: none, host only, a small host spilling to disk.
+TIER_SIZES = [(0, 0), (200, 0), (24, 400)]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=25), interval=st.sampled_from([None, 8, 12]),
        policy=st.sampled_from(["window", "no_checkpoints", "keep_all"]),
-       window=st.sampled_from([9, 7, 3]))  # W = 2 pages, 1.5 pages (partial SWA pages), half a page
-def test_random_workloads_never_false_hit_and_never_leak(ops, interval, policy, window) -> None:  # noqa: ANN001
-    # verify=True: every hit is checked against a shadow of what each slot holds.
+       window=st.sampled_from([9, 7, 3]),  # W = 2 pages, 1.5 pages (partial SWA pages), half a page
+       tiers=st.sampled_from(TIER_SIZES))
+def test_random_workloads_never_false_hit_and_never_leak(ops, interval, policy, window, tiers) -> None:  # noqa: ANN001
+    # verify=True: every hit is checked against a shadow of what each slot
+    # holds, and of what each tier entry holds (demotion, spill, restore).
     swa = 160 if policy == "keep_all" else 60
-    sim = _sim(full=160, swa=swa, window=window, checkpoint_interval=interval, policy=policy, verify=True)
+    sim = _sim(full=160, swa=swa, window=window, checkpoint_interval=interval, policy=policy, verify=True,
+               host_tokens=tiers[0], disk_tokens=tiers[1])
     bases = [_tokens(100 + i, 48) for i in range(4)]  # shared prefixes
     held = []
     for o in ops:
@@ -163,8 +170,11 @@ def test_random_workloads_never_false_hit_and_never_leak(ops, interval, policy, 
         elif o[0] in ("lock", "lock_truncate"):
             view = sim.allocator.new_view()
             tokens = bases[o[1]] + [1]
-            match = sim.cache.match(sim.cache.page_keys(tokens), max_pages=len(tokens) // PAGE)
-            held.append((view, sim.cache.attach(view, match)))
+            lock = None
+            while lock is None:  # None: a tier entry failed to load and is forgotten
+                match = sim.cache.match(sim.cache.page_keys(tokens), max_pages=len(tokens) // PAGE)
+                lock = sim.cache.attach(view, match)
+            held.append((view, lock))
             if o[0] == "lock_truncate" and sim.allocator.can_grow(view, view.num_tokens + 8):
                 # Tentative tokens past the hit, then a rollback to anywhere,
                 # the cache-owned part included.
@@ -174,7 +184,17 @@ def test_random_workloads_never_false_hit_and_never_leak(ops, interval, policy, 
             view, lock = held.pop(0)
             sim.cache.release(lock)
             sim.allocator.free(view)
+        elif o[0] == "flush":
+            sim.cache.flush()
+        elif o[0] == "corrupt" and sim.tiers is not None:
+            # A bad page in a tier: its next load fails, as a checksum mismatch would.
+            stored = [(t, k) for t in ("host", "disk") for k in sim.tiers.index(t).keys()]
+            if stored:
+                sim.tiers.io.corrupt(*stored[o[1] % len(stored)])  # type: ignore[union-attr]
         assert sim.result.false_hits == 0
+        if sim.tiers is not None:
+            for index in (sim.tiers.host, sim.tiers.disk):
+                assert 0 <= index.used_bytes <= index.capacity_bytes
     for view, lock in held:
         sim.cache.release(lock)
         sim.allocator.free(view)

@@ -1,0 +1,293 @@
+"""Host-memory and disk tiers under the device KV pools: the bookkeeping.
+
+The radix prefix cache (``prefix_cache.py``) holds what is on the device.
+When it evicts a page, the page is *demoted* to host memory instead of lost;
+when host memory is full its least recently used entries *spill* to local
+disk, and the disk drops its least recently used ones. A request whose prefix
+continues past the device tree into these tiers has the pages *restored*.
+
+Entries are addressed by content, not by slot: a full page's address is a
+hash chain over the token ids of every page from the start of the sequence
+(multimodal spans enter as their cache tokens), seeded with a model
+fingerprint, so the same prefix has the same address in every process and
+after a restart, and another model's pages are never read. Two kinds of
+entry per address: the page's full-attention KV (``FULL``) and the SWA
+(and MTP) KV of the last ``tokens`` positions of the page (``SWA``), which
+is all a checkpoint's window needs: SWA KV is never stored for a whole
+prefix.
+
+This module is pure Python: byte budgets, LRU order, statistics. The bytes
+move through a ``TierIO`` (the engine's copies and files); with none (the
+trace simulator) transfers are only counted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+import xxhash
+
+Tier = Literal["host", "disk"]
+TIERS: tuple[Tier, ...] = ("host", "disk")
+FULL, SWA = b"F", b"S"
+ADDRESS_BYTES = 16
+
+
+def model_fingerprint(*parts: bytes | str) -> bytes:
+    """The root of every address chain: a hash of what makes KV bytes
+    comparable (model config, weights identity, KV dtype, page size)."""
+    h = xxhash.xxh3_128()
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
+
+
+def token_bytes(key: Hashable) -> bytes:
+    """A page key (a tuple of token ids, negative for multimodal cache tokens)
+    as the bytes its address hashes."""
+    return np.asarray(key, dtype=np.int64).tobytes()
+
+
+def page_address(parent: bytes, key_bytes: bytes) -> bytes:
+    """Address of a page: its parent's address chained with its own tokens."""
+    return xxhash.xxh3_128_digest(parent + key_bytes)
+
+
+class TierIO(Protocol):
+    """Moves the bytes (the mechanism): device slots <-> host <-> disk."""
+
+    def save_full(self, key: bytes, page: int) -> None: ...
+    def save_swa(self, key: bytes, slots: Sequence[int]) -> None: ...
+    def spill(self, key: bytes) -> None: ...
+    def discard(self, tier: Tier, key: bytes) -> None: ...
+    def load_full(self, tier: Tier, key: bytes, page: int) -> bool: ...
+    def load_swa(self, tier: Tier, key: bytes, slots: Sequence[int]) -> bool: ...
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Byte budgets, and what one entry costs: a full page (every full
+    layer) and one SWA position (every SWA and MTP layer)."""
+
+    host_bytes: int
+    disk_bytes: int
+    full_page_bytes: int
+    swa_token_bytes: int
+
+    def __post_init__(self) -> None:
+        if min(self.host_bytes, self.disk_bytes) < 0 or min(self.full_page_bytes, self.swa_token_bytes) < 1:
+            raise ValueError(f"bad tier sizes: {self}")
+        if self.disk_bytes and self.host_bytes < self.full_page_bytes:
+            raise ValueError("a disk tier needs a host tier of at least one page: disk writes go through it")
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes >= self.full_page_bytes
+
+
+@dataclass
+class TierStats:
+    demoted_bytes: int = 0  # device -> host
+    spilled_bytes: int = 0  # host -> disk
+    restored_bytes: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+    restored_entries: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+    load_failures: int = 0  # checksum mismatches, short or missing files: misses from that page on
+    dropped_entries: int = 0  # evicted from the last tier
+
+
+class TierIndex:
+    """One tier's entries in LRU order (oldest first), under a byte budget."""
+
+    def __init__(self, name: Tier, capacity_bytes: int) -> None:
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (bytes, tokens)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def tokens(self, key: bytes) -> int:
+        entry = self._entries.get(key)
+        return entry[1] if entry is not None else 0
+
+    def entry(self, key: bytes) -> tuple[int, int]:
+        """(bytes, tokens) of a present entry."""
+        return self._entries[key]
+
+    def add(self, key: bytes, nbytes: int, tokens: int) -> None:
+        self.remove(key)
+        self._entries[key] = (nbytes, tokens)
+        self.used_bytes += nbytes
+
+    def remove(self, key: bytes) -> bool:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self.used_bytes -= entry[0]
+        return True
+
+    def touch(self, key: bytes) -> None:
+        if key in self._entries:
+            self._entries.move_to_end(key)
+
+    def oldest(self) -> bytes | None:
+        return next(iter(self._entries), None)
+
+    def keys(self) -> Iterator[bytes]:
+        return iter(self._entries)
+
+
+class KVTiers:
+    """Demotion, spilling, eviction and restores for the host and disk tiers."""
+
+    def __init__(self, config: TierConfig, io: TierIO | None = None) -> None:
+        self.config = config
+        self.io = io
+        self.host = TierIndex("host", config.host_bytes)
+        self.disk = TierIndex("disk", config.disk_bytes)
+        self.stats = TierStats()
+
+    def index(self, tier: Tier) -> TierIndex:
+        return self.host if tier == "host" else self.disk
+
+    # ------------------------------------------------------------- lookup
+    def full_tier(self, address: bytes, tiers: Sequence[Tier] = TIERS) -> Tier | None:
+        """The nearest of ``tiers`` holding the page's full KV."""
+        key = address + FULL
+        for tier in tiers:
+            if key in self.index(tier):
+                return tier
+        return None
+
+    def swa_tokens(self, address: bytes, tiers: Sequence[Tier] = TIERS) -> int:
+        """How many of the page's last positions have SWA KV in one of ``tiers``."""
+        key = address + SWA
+        return max((self.index(t).tokens(key) for t in tiers), default=0)
+
+    def touch(self, key: bytes) -> None:
+        self.host.touch(key)
+        self.disk.touch(key)
+
+    # ----------------------------------------------------------- demotion
+    def demote_full(self, address: bytes, page: int) -> None:
+        """The device is about to free ``page``: keep its KV unless a tier already has it."""
+        key = address + FULL
+        if key in self.host or key in self.disk:
+            self.touch(key)
+            return
+        self._store(key, self.config.full_page_bytes, 0, lambda: self.io.save_full(key, page))  # type: ignore[union-attr]
+
+    def demote_swa(self, address: bytes, slots: Sequence[int]) -> None:
+        """The device is about to free the SWA slots of a page's last
+        ``len(slots)`` positions (a checkpoint window's part on this page)."""
+        key = address + SWA
+        if not slots:
+            return
+        if self.swa_tokens(address) >= len(slots):
+            self.touch(key)
+            return
+        for tier in TIERS:  # a shorter window of this page: the longer one replaces it
+            if self.index(tier).remove(key):
+                self._discard(tier, key)
+        nbytes = len(slots) * self.config.swa_token_bytes
+        self._store(key, nbytes, len(slots), lambda: self.io.save_swa(key, list(slots)))  # type: ignore[union-attr]
+
+    def _store(self, key: bytes, nbytes: int, tokens: int, save: Callable[[], None]) -> None:
+        if nbytes > self.host.capacity_bytes:
+            return
+        self._make_room(self.host, nbytes)
+        if self.io is not None:
+            save()
+        self.host.add(key, nbytes, tokens)
+        self.stats.demoted_bytes += nbytes
+
+    def _make_room(self, index: TierIndex, nbytes: int) -> None:
+        while index.used_bytes + nbytes > index.capacity_bytes:
+            oldest = index.oldest()
+            assert oldest is not None, "an entry larger than its tier was not refused"
+            self._evict(index, oldest)
+
+    def _evict(self, index: TierIndex, key: bytes) -> None:
+        """Host entries spill to disk (unless it is off or has them already);
+        the disk drops its entries."""
+        nbytes, tokens = index.entry(key)
+        index.remove(key)
+        if index is self.host and nbytes <= self.disk.capacity_bytes:
+            if not (key in self.disk and self.disk.tokens(key) >= tokens):
+                self._make_room(self.disk, nbytes)
+                if self.io is not None:
+                    self.io.spill(key)  # before the host copy is discarded: it reads it
+                self.disk.add(key, nbytes, tokens)
+                self.stats.spilled_bytes += nbytes
+        else:
+            self.stats.dropped_entries += 1
+        self._discard(index.name, key)
+
+    def _discard(self, tier: Tier, key: bytes) -> None:
+        if self.io is not None:
+            self.io.discard(tier, key)
+
+    # ------------------------------------------------------------ restore
+    def touch_page(self, address: bytes) -> None:
+        """A match will read this page's entries: most recently used."""
+        self.touch(address + FULL)
+        self.touch(address + SWA)
+
+    def load_full(self, address: bytes, page: int) -> bool:
+        """Copy the page's full KV into device ``page``, from the nearest tier."""
+        key = address + FULL
+        return self._load(key, 0, self.config.full_page_bytes,
+                          lambda tier: self.io.load_full(tier, key, page))  # type: ignore[union-attr]
+
+    def load_swa(self, address: bytes, slots: Sequence[int]) -> bool:
+        """Copy the SWA KV of the page's last ``len(slots)`` positions into ``slots``."""
+        key = address + SWA
+        return self._load(key, len(slots), len(slots) * self.config.swa_token_bytes,
+                          lambda tier: self.io.load_swa(tier, key, list(slots)))  # type: ignore[union-attr]
+
+    def _load(self, key: bytes, tokens: int, nbytes: int, load: Callable[[Tier], bool]) -> bool:
+        """False when no tier has the entry (any more) or its load failed (bad
+        checksum, short or missing file): a failed entry is forgotten, so the
+        next match stops before it."""
+        for tier in TIERS:
+            index = self.index(tier)
+            if key not in index or index.tokens(key) < tokens:
+                continue
+            if self.io is not None and not load(tier):
+                self.stats.load_failures += 1
+                index.remove(key)
+                self._discard(tier, key)
+                return False
+            index.touch(key)
+            self.stats.restored_bytes[tier] += nbytes
+            self.stats.restored_entries[tier] += 1
+            return True
+        return False
+
+    def clear(self) -> None:
+        """Drop every entry of both tiers."""
+        for index in (self.host, self.disk):
+            for key in list(index.keys()):
+                index.remove(key)
+                self._discard(index.name, key)
+
+    def as_dict(self) -> dict[str, object]:
+        s = self.stats
+        return {
+            "host_bytes_used": self.host.used_bytes, "host_bytes_capacity": self.host.capacity_bytes,
+            "disk_bytes_used": self.disk.used_bytes, "disk_bytes_capacity": self.disk.capacity_bytes,
+            "host_entries": len(self.host), "disk_entries": len(self.disk),
+            "demoted_bytes": s.demoted_bytes, "spilled_bytes": s.spilled_bytes,
+            "restored_bytes": dict(s.restored_bytes), "restored_entries": dict(s.restored_entries),
+            "load_failures": s.load_failures, "dropped_entries": s.dropped_entries,
+        }
