@@ -1,0 +1,674 @@
+"""Byte stores under the KV-cache tiers: host memory and local disk.
+
+The prefix cache demotes KV pages it evicts from device memory to host memory,
+then to disk, and restores them on a later hit. Deciding *what* to demote or drop
+(LRU order, byte budgets) is policy and lives in pure-Python bookkeeping; this
+module is only the mechanism: dumb key -> bytes stores that never decide to evict
+anything themselves. A put that does not fit raises ``MemoryError`` and the caller,
+which knows what is coldest, evicts and retries.
+
+What the stores do guarantee is that a restored page is the page that was stored:
+every blob carries an xxh3-64 checksum, verified on every read. A blob that fails
+verification is dropped and reported as a miss (the engine then recomputes the
+KV), never served and never raised as an error: a flipped bit in host memory or a
+torn file on disk must cost a recompute, not a wrong answer or a crashed engine.
+
+Keys are opaque non-empty ``bytes`` of at most 64 bytes (in the engine a 16-byte
+page hash plus a 1-byte part tag). Each entry also records ``tokens``, the number
+of token positions the blob covers, which the disk store keeps in the file header
+so that it survives a restart.
+
+Disk layout::
+
+    root / namespace.hex()[:32] / key.hex()[:2] / f"{key.hex()}.kv"
+
+The namespace is a model fingerprint, so another model's pages are never even
+listed. Only its first 16 bytes name the directory: pass a digest (two
+fingerprints sharing a 16-byte prefix would share files). A file is a fixed little-endian header (magic, format version, key length,
+tokens, payload length, payload checksum), the key, then the payload. Files are
+written to a temp file in the same directory and renamed into place, so a reader
+sees either the old or the new complete file. One ``DiskKVStore`` owns a namespace
+directory: at startup it deletes every leftover temp file there, which would
+include a live writer's if two processes shared one namespace.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, TypeAlias
+
+import numpy as np
+import torch
+import xxhash
+
+__all__ = ["MAX_KEY_BYTES", "DiskEntry", "DiskKVStore", "HostKVPool"]
+
+_LOG = logging.getLogger(__name__)
+
+MAX_KEY_BYTES = 64
+
+# magic, format version, key length, tokens, payload length, payload xxh3-64.
+_HEADER = struct.Struct("<4sHHQQQ")
+_MAGIC = b"SWKV"
+# Bump on any change to the header or payload encoding: files of another version
+# are treated as garbled (dropped and recomputed), never misread.
+_FORMAT_VERSION = 1
+_SUFFIX = ".kv"
+# Leading dot: never mistaken for an entry, and skipped by the scan's suffix test.
+_TMP_PREFIX = ".tmp-"
+_MAX_U64 = (1 << 64) - 1
+
+ByteData: TypeAlias = bytes | bytearray | memoryview | torch.Tensor | np.ndarray
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, bytes):
+        raise TypeError(f"key must be bytes, not {type(key).__name__}")
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+def _check_tokens(tokens: int) -> None:
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise TypeError(f"tokens must be int, not {type(tokens).__name__}")
+    if not 0 <= tokens <= _MAX_U64:
+        raise ValueError(f"tokens must be in [0, 2**64), got {tokens}")
+
+
+def _check_capacity(capacity_bytes: int) -> None:
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+        raise TypeError(f"capacity_bytes must be int, not {type(capacity_bytes).__name__}")
+    if capacity_bytes < 0:
+        raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as one flat uint8 tensor on its own device (row-major;
+    a view when it is already contiguous)."""
+    # reshape before view: view(uint8) of a 0-dim tensor is an error.
+    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _checksum(blob: torch.Tensor | np.ndarray | memoryview) -> int:
+    """xxh3-64 of a flat uint8 CPU tensor, array or byte view, hashed in place."""
+    array = blob.numpy() if isinstance(blob, torch.Tensor) else blob
+    return xxhash.xxh3_64_intdigest(array)
+
+
+def _check_out_sizes(total: int, outs: Sequence[torch.Tensor]) -> None:
+    wanted = sum(_nbytes(out) for out in outs)
+    if wanted != total:
+        raise ValueError(f"outs hold {wanted} bytes but the entry has {total}")
+
+
+def _copy_into(blob: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    """Copy the flat uint8 ``blob`` into ``outs`` in order (sizes already checked)."""
+    offset = 0
+    for out in outs:
+        size = _nbytes(out)
+        chunk = blob[offset : offset + size]
+        offset += size
+        if out.is_contiguous():
+            # A contiguous tensor can be written through a byte view of itself,
+            # whatever its dtype and device.
+            out.view(-1).view(torch.uint8).copy_(chunk)
+        else:
+            # view(dtype) to a wider type needs an aligned offset, which a chunk
+            # after an odd-sized part does not have: clone to realign.
+            out.copy_(chunk.clone().view(out.dtype).view(out.shape))
+
+
+class _WarnOnce:
+    """Logs each kind of failure once per store: a bad disk produces thousands of
+    bad pages, and one line per kind says as much as thousands."""
+
+    def __init__(self, store: str) -> None:
+        self._store = store
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, detail: str) -> None:
+        with self._lock:
+            if kind in self._seen:
+                return
+            self._seen.add(kind)
+        _LOG.warning("%s: %s (%s); further %s failures are counted, not logged", self._store, kind, detail, kind)
+
+
+# --------------------------------------------------------------------------- host
+
+
+@dataclass(frozen=True, eq=False)
+class _HostEntry:
+    blob: torch.Tensor  # flat uint8, never written after put (so views stay valid)
+    checksum: int
+    tokens: int
+
+
+class HostKVPool:
+    """Host-memory key -> bytes store for KV blobs, with a byte capacity.
+
+    Safe to share between the engine thread and a spill thread: the index is
+    guarded by a lock, and a stored blob is never modified (a replacement is a new
+    tensor), so a view handed out by ``get_bytes`` stays the bytes it was.
+    """
+
+    def __init__(self, capacity_bytes: int, pin_memory: bool = False) -> None:
+        _check_capacity(capacity_bytes)
+        self._capacity = capacity_bytes
+        # Pinning needs a CUDA runtime; without one there is no transfer to speed up.
+        self._pin = bool(pin_memory) and torch.cuda.is_available()
+        self._entries: dict[bytes, _HostEntry] = {}
+        self._used = 0
+        self._reserved = 0  # bytes of puts between their capacity check and commit
+        self._lock = threading.Lock()
+        self._warn = _WarnOnce("HostKVPool")
+        self.checksum_failures = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[bytes]:
+        """A snapshot of the keys, oldest put first."""
+        with self._lock:
+            return list(self._entries)
+
+    def tokens(self, key: bytes) -> int:
+        """The entry's token count; KeyError when missing."""
+        return self._entries[key].tokens
+
+    def put(self, key: bytes, parts: Sequence[torch.Tensor], tokens: int) -> None:
+        """Store a copy of the concatenated bytes of ``parts`` under ``key``,
+        replacing any entry already there.
+
+        ValueError if the entry alone exceeds the capacity; MemoryError if it does
+        not fit next to the entries already held (the caller evicts, then retries).
+        """
+        _check_key(key)
+        _check_tokens(tokens)
+        flats = [_flat_bytes(part) for part in parts]
+        size = sum(flat.numel() for flat in flats)
+        if size > self._capacity:
+            raise ValueError(f"entry of {size} bytes exceeds the pool capacity of {self._capacity} bytes")
+        self._reserve(key, size)
+        try:
+            blob = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
+            offset = 0
+            for flat in flats:
+                blob[offset : offset + flat.numel()].copy_(flat)
+                offset += flat.numel()
+            # Hash the host copy, not the source: the checksum must vouch for
+            # exactly the bytes that get_into will hand back.
+            entry = _HostEntry(blob, _checksum(blob), tokens)
+        except BaseException:
+            with self._lock:
+                self._reserved -= size
+            raise
+        # Reservation and commit swap in one critical section, so a concurrent
+        # put never sees the bytes as free in between.
+        with self._lock:
+            self._reserved -= size
+            old = self._entries.pop(key, None)
+            self._used += size - (old.blob.numel() if old is not None else 0)
+            self._entries[key] = entry  # re-inserted: keys() stays in put order
+
+    def _reserve(self, key: bytes, size: int) -> None:
+        with self._lock:
+            old = self._entries.get(key)
+            freed = old.blob.numel() if old is not None else 0
+            if self._used + self._reserved - freed + size > self._capacity:
+                raise MemoryError(
+                    f"HostKVPool full: {self._used} of {self._capacity} bytes used, "
+                    f"{size} more needed; evict before put"
+                )
+            self._reserved += size
+
+    def get_into(self, key: bytes, outs: Sequence[torch.Tensor]) -> bool:
+        """Copy the entry's bytes into ``outs`` in order (the layout ``put`` took).
+
+        False, with nothing copied, when the key is missing or the checksum fails
+        (a failed entry is also removed). ValueError if ``outs`` do not hold exactly
+        the entry's byte count.
+        """
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        _check_out_sizes(entry.blob.numel(), outs)
+        if not self._verify(key, entry):
+            return False
+        _copy_into(entry.blob, outs)
+        return True
+
+    def get_bytes(self, key: bytes) -> torch.Tensor | None:
+        """The verified flat uint8 blob (a view of the stored bytes, not a copy),
+        or None when missing or corrupt. Meant for spilling to disk."""
+        entry = self._entries.get(key)
+        if entry is None or not self._verify(key, entry):
+            return None
+        return entry.blob
+
+    def remove(self, key: bytes) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._used -= entry.blob.numel()
+
+    def _verify(self, key: bytes, entry: _HostEntry) -> bool:
+        # Hashing happens outside the lock: blobs are immutable, and a large page
+        # should not stall the other thread.
+        if _checksum(entry.blob) == entry.checksum:
+            return True
+        with self._lock:
+            self.checksum_failures += 1
+            # Only drop the entry that failed, not a replacement put meanwhile.
+            if self._entries.get(key) is entry:
+                del self._entries[key]
+                self._used -= entry.blob.numel()
+        self._warn("checksum mismatch", f"key {key.hex()}, entry dropped")
+        return False
+
+
+# --------------------------------------------------------------------------- disk
+
+
+class DiskEntry(NamedTuple):
+    file_bytes: int  # the whole file, header and key included
+    tokens: int
+
+
+@dataclass(frozen=True)
+class _IndexEntry:
+    file_bytes: int
+    tokens: int
+    mtime_ns: int
+
+
+class _BadFile(Exception):
+    """A file that is not a valid entry; ``kind`` names the failure for logging."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+def _parse_header(raw: bytes, key: bytes | None, file_size: int) -> tuple[bytes, int, int, int]:
+    """(key, tokens, payload length, checksum) from the start of a file; raises
+    _BadFile unless the header is well formed, names ``key`` (when given) and
+    accounts for exactly ``file_size`` bytes."""
+    if len(raw) < _HEADER.size:
+        raise _BadFile("truncated file")
+    magic, version, key_len, tokens, payload_len, checksum = _HEADER.unpack_from(raw)
+    if magic != _MAGIC or version != _FORMAT_VERSION or not 0 < key_len <= MAX_KEY_BYTES:
+        raise _BadFile("garbled header")
+    stored_key = raw[_HEADER.size : _HEADER.size + key_len]
+    if len(stored_key) < key_len:
+        raise _BadFile("truncated file")
+    if key is not None and stored_key != key:
+        raise _BadFile("garbled header")
+    expected = _HEADER.size + key_len + payload_len
+    if file_size < expected:
+        raise _BadFile("truncated file")
+    if file_size > expected:
+        raise _BadFile("garbled header")
+    return stored_key, tokens, payload_len, checksum
+
+
+def _read_exact(f: io.FileIO, view: memoryview) -> bool:
+    """Fill ``view`` from the raw file ``f``; False if the file ends first."""
+    filled = 0
+    while filled < len(view):
+        n = f.readinto(view[filled:])
+        if not n:
+            return False
+        filled += n
+    return True
+
+
+def _payload_view(data: ByteData) -> memoryview:
+    """``data`` as a flat byte memoryview, without copying when it is contiguous."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            # The disk writer runs on a background thread; a hidden device sync
+            # there would be a surprise, so the caller stages through host memory.
+            raise TypeError(f"tensor data must be on the CPU, not {data.device}")
+        return memoryview(_flat_bytes(data).numpy())
+    if isinstance(data, np.ndarray):
+        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        view = memoryview(data)
+        return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
+    raise TypeError(f"unsupported data type {type(data).__name__}")
+
+
+class DiskKVStore:
+    """Local-disk key -> bytes store for KV blobs, one file per entry, with a byte
+    capacity counted in file sizes.
+
+    Thread safety: one writer thread may ``put`` while other threads ``get``,
+    ``remove`` or look up. The index is guarded by a lock; reading and writing file
+    contents happens outside it. The rename that publishes a file and the unlink
+    that removes one happen under it, so the index and the directory never
+    disagree for long enough for a concurrent reader to see a half-state.
+    """
+
+    def __init__(self, root: str | Path, capacity_bytes: int, namespace: bytes, fsync: bool = False) -> None:
+        _check_capacity(capacity_bytes)
+        if not isinstance(namespace, bytes) or not namespace:
+            raise ValueError("namespace must be non-empty bytes")
+        self._capacity = capacity_bytes
+        self._fsync = fsync
+        self._dir = Path(root) / namespace.hex()[:32]
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._index: dict[bytes, _IndexEntry] = {}
+        self._used = 0
+        self._reserved = 0  # bytes of puts between their capacity check and commit
+        self._lock = threading.Lock()
+        self._warn = _WarnOnce(f"DiskKVStore({self._dir})")
+        # Random per instance, so two stores in one process never pick the same
+        # temp name; O_EXCL would refuse a clash anyway.
+        self._tmp_prefix = f"{_TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}-"
+        self._tmp_counter = itertools.count()
+        self.checksum_failures = 0  # files found corrupt, truncated or garbled on read
+        self.missing = 0  # indexed files that had vanished on read
+        self.scan_dropped = 0  # files deleted at startup for an unreadable header
+        self._scan()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def directory(self) -> Path:
+        """The namespace directory holding this store's files."""
+        return self._dir
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def tokens(self, key: bytes) -> int:
+        """The entry's token count; KeyError when missing."""
+        return self._index[key].tokens
+
+    def entries(self) -> list[tuple[bytes, DiskEntry]]:
+        """(key, (file_bytes, tokens)) for every entry, oldest file mtime first:
+        after a restart the bookkeeping seeds its LRU from this order."""
+        with self._lock:
+            items = list(self._index.items())
+        # Stable sort: entries written within one mtime tick keep put order.
+        items.sort(key=lambda item: item[1].mtime_ns)
+        return [(key, DiskEntry(entry.file_bytes, entry.tokens)) for key, entry in items]
+
+    def path(self, key: bytes) -> Path:
+        """Where ``key``'s file lives (whether or not it exists)."""
+        name = key.hex()
+        return self._dir / name[:2] / f"{name}{_SUFFIX}"
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, key: bytes, data: ByteData, tokens: int) -> int:
+        """Write ``data`` under ``key`` atomically, replacing any entry already
+        there; returns the file's size in bytes, header included.
+
+        ValueError if the entry alone exceeds the capacity; MemoryError if it does
+        not fit next to the entries already held (the caller evicts, then retries).
+        OSError from the file system propagates, with no temp file left behind and
+        any previous entry intact.
+        """
+        _check_key(key)
+        _check_tokens(tokens)
+        payload = _payload_view(data)
+        size = _HEADER.size + len(key) + payload.nbytes
+        if size > self._capacity:
+            raise ValueError(f"entry of {size} bytes exceeds the store capacity of {self._capacity} bytes")
+        self._reserve(key, size)
+        try:
+            header = _HEADER.pack(_MAGIC, _FORMAT_VERSION, len(key), tokens, payload.nbytes, _checksum(payload))
+            final = self.path(key)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = final.parent / f"{self._tmp_prefix}{next(self._tmp_counter)}"
+            mtime_ns = self._write_file(tmp, header + key, payload)
+        except BaseException:
+            with self._lock:
+                self._reserved -= size
+            raise
+        self._publish(key, tmp, final, _IndexEntry(size, tokens, mtime_ns))
+        return size
+
+    def _reserve(self, key: bytes, size: int) -> None:
+        with self._lock:
+            old = self._index.get(key)
+            freed = old.file_bytes if old is not None else 0
+            if self._used + self._reserved - freed + size > self._capacity:
+                raise MemoryError(
+                    f"DiskKVStore full: {self._used} of {self._capacity} bytes used, "
+                    f"{size} more needed; evict before put"
+                )
+            self._reserved += size
+
+    def _write_file(self, tmp: Path, head: bytes, payload: memoryview) -> int:
+        """Write a complete file at ``tmp``; returns its mtime. Removes ``tmp`` on
+        any failure."""
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(head)
+                f.write(payload)
+                f.flush()
+                if self._fsync:
+                    os.fsync(f.fileno())
+                return os.fstat(f.fileno()).st_mtime_ns
+        except BaseException:
+            self._unlink(tmp)
+            raise
+
+    def _publish(self, key: bytes, tmp: Path, final: Path, entry: _IndexEntry) -> None:
+        # Rename and index update together under the lock: a remove or a failed
+        # get's cleanup in between could otherwise unlink the new file while the
+        # index still lists it. The reservation turns into used bytes in the same
+        # critical section, so a concurrent put never sees them as free.
+        with self._lock:
+            self._reserved -= entry.file_bytes
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                self._unlink(tmp)
+                raise
+            old = self._index.pop(key, None)
+            self._used += entry.file_bytes - (old.file_bytes if old is not None else 0)
+            self._index[key] = entry  # re-inserted: ties in entries() keep put order
+        if self._fsync:
+            self._fsync_dir(final.parent)
+
+    @staticmethod
+    def _fsync_dir(directory: Path) -> None:
+        # The rename is durable only once the directory itself is on disk.
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def remove(self, key: bytes) -> None:
+        """Drop the entry and delete its file; no error when missing."""
+        path = self.path(key)
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._used -= entry.file_bytes
+            self._unlink(path)
+
+    def _unlink(self, path: Path | str) -> None:
+        """Delete a file, tolerating its absence; other errors are logged, not
+        raised: a file we failed to delete is dropped again at the next scan or get."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._warn("unlink failed", str(exc))
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, key: bytes) -> tuple[memoryview, int] | None:
+        """(payload, tokens) of a verified entry, or None when it is missing or its
+        file is bad (a bad file is deleted and counted; this never raises on one)."""
+        found = self._read(key)
+        if found is None:
+            return None
+        payload, tokens = found
+        return memoryview(payload), tokens
+
+    def read_into(self, key: bytes, outs: Sequence[torch.Tensor]) -> bool:
+        """Copy a verified entry's payload into ``outs`` in order (the layout of
+        ``HostKVPool.get_into``); False, with nothing copied, on any miss or bad
+        file. ValueError if ``outs`` do not hold exactly the payload's bytes."""
+        found = self._read(key)
+        if found is None:
+            return False
+        payload, _ = found
+        _check_out_sizes(payload.nbytes, outs)
+        _copy_into(torch.from_numpy(payload), outs)
+        return True
+
+    def _read(self, key: bytes) -> tuple[np.ndarray, int] | None:
+        _check_key(key)
+        if key not in self._index:
+            return None  # not an entry: not a failure either
+        path = self.path(key)
+        try:
+            f = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            self._drop_missing(key, path)
+            return None
+        except OSError as exc:
+            self._drop_bad(key, path, None, "unreadable file", str(exc))
+            return None
+        with f:
+            stat = os.fstat(f.fileno())
+            try:
+                return self._read_verified(f, key, stat.st_size)
+            except _BadFile as bad:
+                reason, detail = bad.kind, f"key {key.hex()}"
+            except OSError as exc:
+                reason, detail = "unreadable file", str(exc)
+        self._drop_bad(key, path, stat, reason, detail)
+        return None
+
+    @staticmethod
+    def _read_verified(f: io.FileIO, key: bytes, file_size: int) -> tuple[np.ndarray, int]:
+        head = f.read(_HEADER.size + len(key))
+        _, tokens, payload_len, checksum = _parse_header(head, key, file_size)
+        # np.empty, not bytearray: a page can be megabytes, no need to zero it first.
+        payload = np.empty(payload_len, dtype=np.uint8)
+        if not _read_exact(f, memoryview(payload)):
+            raise _BadFile("truncated file")  # shrank while we read it
+        if _checksum(payload) != checksum:
+            raise _BadFile("checksum mismatch")
+        return payload, tokens
+
+    def _drop_missing(self, key: bytes, path: Path) -> None:
+        with self._lock:
+            # Gone from the index already: a remove that raced us, not a loss.
+            # The file back in place: a put landed meanwhile; leave it.
+            if key not in self._index or path.exists():
+                return
+            entry = self._index.pop(key)
+            self._used -= entry.file_bytes
+            self.missing += 1
+        self._warn("missing file", f"{path} indexed but gone")
+
+    def _drop_bad(self, key: bytes, path: Path, seen: os.stat_result | None, kind: str, detail: str) -> None:
+        with self._lock:
+            self.checksum_failures += 1
+            if self._still_same_file(path, seen):
+                self._unlink(path)
+                entry = self._index.pop(key, None)
+                if entry is not None:
+                    self._used -= entry.file_bytes
+        self._warn(kind, f"{detail}; file deleted")
+
+    @staticmethod
+    def _still_same_file(path: Path, seen: os.stat_result | None) -> bool:
+        """Whether ``path`` is still the file that failed (not a replacement that a
+        concurrent put renamed into place after we opened the old one)."""
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            return seen is None  # could not open it either: drop the index entry
+        if seen is None:
+            return True
+        return (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino)
+
+    # ------------------------------------------------------------------ startup
+
+    def _scan(self) -> None:
+        """Rebuild the index from the namespace directory, reading headers only:
+        payloads are verified on get, so startup stays fast with a full disk."""
+        found: list[tuple[bytes, _IndexEntry]] = []
+        for sub in os.scandir(self._dir):
+            if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
+                continue  # not a shard directory of ours: leave it alone
+            for item in os.scandir(sub.path):
+                if item.name.startswith(_TMP_PREFIX):
+                    # A write interrupted by a crash: never renamed, never an entry.
+                    self._unlink(item.path)
+                elif item.name.endswith(_SUFFIX) and item.is_file(follow_symlinks=False):
+                    entry = self._scan_file(sub.name, item)
+                    if entry is not None:
+                        found.append(entry)
+        found.sort(key=lambda pair: pair[1].mtime_ns)
+        self._index = dict(found)
+        self._used = sum(entry.file_bytes for _, entry in found)
+
+    def _scan_file(self, shard: str, item: os.DirEntry[str]) -> tuple[bytes, _IndexEntry] | None:
+        try:
+            stat = item.stat(follow_symlinks=False)
+            with open(item.path, "rb", buffering=0) as f:
+                head = f.read(_HEADER.size + MAX_KEY_BYTES)
+            key, tokens, _, _ = _parse_header(head, None, stat.st_size)
+            name = key.hex()
+            if item.name != f"{name}{_SUFFIX}" or shard != name[:2]:
+                raise _BadFile("misplaced file")  # its header names another key
+        except _BadFile as bad:
+            kind, detail = bad.kind, item.path
+        except OSError as exc:
+            kind, detail = "unreadable file", str(exc)
+        else:
+            return key, _IndexEntry(stat.st_size, tokens, stat.st_mtime_ns)
+        self._unlink(item.path)
+        self.scan_dropped += 1
+        self._warn(f"{kind} at startup", f"{detail}; file deleted")
+        return None
