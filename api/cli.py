@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from llm_core.config import ModelConfig
@@ -98,6 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
         compile=args.device.startswith("cuda") if args.compile is None else args.compile,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         speculative_tokens=args.speculative_tokens,
+        **_kv_tier_options(args),
     )
     app = create_app(model, metrics)
     print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
@@ -208,6 +209,17 @@ def _bench_prefix_cache(args: argparse.Namespace) -> dict:
     return result
 
 
+def _kv_tier_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine options of the host and disk KV tiers: a disk directory alone
+    turns both on with default budgets."""
+    disk_gib = args.kv_disk_gib if args.kv_disk_gib is not None else (8.0 if args.kv_disk_dir else 0.0)
+    host_gib = args.kv_host_gib if args.kv_host_gib is not None else (1.0 if disk_gib else 0.0)
+    if disk_gib and not args.kv_disk_dir:
+        raise ValueError("--kv-disk-gib needs --kv-disk-dir")
+    return {"kv_host_bytes": int(host_gib * (1 << 30)), "kv_disk_bytes": int(disk_gib * (1 << 30)),
+            "kv_disk_dir": args.kv_disk_dir}
+
+
 def _bench_load(args: argparse.Namespace) -> dict:
     from api.bench_load import DEFAULT_LEVELS, load_bench, plot_load
 
@@ -243,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-tokens", type=int,
                        help="MTP speculative decoding: draft tokens verified per step (default: one per MTP layer "
                             "the checkpoint has; 0: off)")
+    serve.add_argument("--kv-host-gib", type=float,
+                       help="host-memory KV tier under the device pools (default: 0, or 1 with --kv-disk-dir)")
+    serve.add_argument("--kv-disk-gib", type=float, help="disk KV tier budget (default: 8 with --kv-disk-dir)")
+    serve.add_argument("--kv-disk-dir", help="directory of the disk KV tier; a restart over it restores "
+                       "earlier prefixes")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set SWALLOW_API_KEY)")
     serve.add_argument("--max-upload-mb", type=float, default=512.0, help="largest upload or request body")
     serve.add_argument("--spool-dir", help="where uploads are written (default: a temporary directory)")

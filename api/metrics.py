@@ -9,13 +9,36 @@ from __future__ import annotations
 
 from typing import Any
 
+from collections.abc import Iterator
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 # From a cached 1-token prompt (~1 ms) to a long video prompt behind a queue (~1 min).
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 # Decode steps take ~ms; stalls (preemption, a long prefill in the same batch) reach seconds.
 INTER_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ENCODER_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _RestoreLatency(Collector):
+    """The engine's histogram of KV tier restore times, as it last reported it."""
+
+    def __init__(self) -> None:
+        self.buckets: list[float] = []
+        self.counts: list[int] = []
+        self.total = 0.0
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        if not self.buckets:
+            return
+        cumulative, running = [], 0
+        for bound, count in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            running += count
+            cumulative.append((bound, running))
+        yield HistogramMetricFamily("swallow_kv_restore_seconds", "Time to restore one KV entry from a tier",
+                                    buckets=cumulative, sum_value=self.total)
 
 
 class ServerMetrics:
@@ -60,6 +83,22 @@ class ServerMetrics:
             "swallow_spec_mean_acceptance_length",
             "Tokens per speculative verify step (accepted drafts + the target's own)", registry=r,
         )
+        self.cached_tokens_by_tier = Gauge(
+            "swallow_prefix_cache_cached_tokens_by_tier",
+            "Prompt tokens served from the prefix cache since start, by where their KV was", ["tier"], registry=r,
+        )
+        self.tier_used = Gauge("swallow_kv_tier_used_bytes", "Bytes held by a KV tier", ["tier"], registry=r)
+        self.tier_capacity = Gauge("swallow_kv_tier_capacity_bytes", "Byte budget of a KV tier", ["tier"],
+                                   registry=r)
+        self.tier_moved = Gauge("swallow_kv_tier_bytes", "KV bytes moved since start: demoted (device to host), "
+                                "spilled (host to disk), restored (to the device, by tier)", ["direction", "tier"],
+                                registry=r)
+        self.tier_checksum_failures = Gauge(
+            "swallow_kv_tier_checksum_failures", "Stored KV entries found corrupt, short or missing", registry=r)
+        self.tier_load_failures = Gauge(
+            "swallow_kv_tier_load_failures", "Restores that failed and were recomputed", registry=r)
+        self.restore_latency = _RestoreLatency()
+        r.register(self.restore_latency)
         self.encoder_batch = Histogram(
             "swallow_encoder_batch_size", "Items per encoder batch", ["encoder"],
             buckets=ENCODER_BATCH_BUCKETS, registry=r,
@@ -98,6 +137,11 @@ class ServerMetrics:
         if cache is not None:  # None: prefix caching is off, nothing to report
             self.prefix_hit_rate.set(cache.get("hit_rate", 0.0))
             self.prefix_cached_tokens.set(cache.get("cached_prompt_tokens", 0))
+            for tier, tokens in cache.get("cached_tokens_by_tier", {}).items():
+                self.cached_tokens_by_tier.labels(tier=tier).set(tokens)
+        tiers = stats.get("kv_tiers")
+        if tiers:
+            self._set_tiers(tiers)
         self.set_queue_depth(stats.get("waiting_requests", 0), stats.get("running_requests", 0))
         self.preemptions.set(stats.get("preemptions", 0))
         spec = stats.get("speculative")
@@ -106,6 +150,19 @@ class ServerMetrics:
                 self.drafts_proposed.labels(position=str(i + 1)).set(proposed)
                 self.drafts_accepted.labels(position=str(i + 1)).set(accepted)
             self.acceptance_length.set(spec.get("mean_acceptance_length") or 0.0)
+
+    def _set_tiers(self, tiers: dict[str, Any]) -> None:
+        for tier in ("host", "disk"):
+            self.tier_used.labels(tier=tier).set(tiers[f"{tier}_bytes_used"])
+            self.tier_capacity.labels(tier=tier).set(tiers[f"{tier}_bytes_capacity"])
+            self.tier_moved.labels(direction="restored", tier=tier).set(tiers["restored_bytes"][tier])
+        self.tier_moved.labels(direction="demoted", tier="host").set(tiers["demoted_bytes"])
+        self.tier_moved.labels(direction="spilled", tier="disk").set(tiers["spilled_bytes"])
+        self.tier_checksum_failures.set(tiers["checksum_failures"])
+        self.tier_load_failures.set(tiers["load_failures"])
+        latency = self.restore_latency
+        latency.buckets, latency.counts = tiers["restore_seconds_buckets"], tiers["restore_seconds_counts"]
+        latency.total = tiers["restore_seconds_sum"]
 
     def _set_pool(self, pool: str, stats: dict[str, Any]) -> None:
         capacity = stats.get("capacity_tokens", 0)

@@ -120,6 +120,7 @@ class ServingModel:
 
     async def aclose(self) -> None:
         self.engine.close()
+        self.llm.close()
         if self.batcher is not None:
             await self.batcher.aclose()
         if self.embedder is not None:

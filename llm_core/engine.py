@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence as SequenceOf
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -26,6 +27,9 @@ from llm_core.paged_attention import (
     paged_attention_torch,
     paged_decode_attention_torch,
 )
+from llm_core.kv_store import DiskKVStore, HostKVPool
+from llm_core.kv_tiers import KVTiers, TierConfig, model_fingerprint
+from llm_core.kv_transfer import RESTORE_BUCKETS, EngineTierIO, model_weights_digest
 from llm_core.prefix_cache import RadixCache
 from llm_core.sampling import SamplingParams, SamplingPlan, SamplingRow, request_seed, sample_tokens, verify_drafts
 from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
@@ -61,6 +65,12 @@ class EngineConfig:
     # MTP speculative decoding: draft tokens verified per step (None: one per
     # MTP layer the checkpoint has; 0: off). More than the layers reuses the last.
     speculative_tokens: int | None = None
+    # KV tiers under the device pools (prefix caching on): host memory, and
+    # files under kv_disk_dir (which outlive the process: a restart over the
+    # same directory restores earlier prefixes). 0: no such tier.
+    kv_host_bytes: int = 0
+    kv_disk_bytes: int = 0
+    kv_disk_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.swa_mode not in ("hybrid", "full"):
@@ -72,6 +82,12 @@ class EngineConfig:
         if self.speculative_tokens is not None and not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_tokens must be from 0 to {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.speculative_tokens}")
+        if self.kv_host_bytes < 0 or self.kv_disk_bytes < 0:
+            raise ValueError("kv_host_bytes and kv_disk_bytes must be >= 0")
+        if self.kv_disk_bytes and not self.kv_disk_dir:
+            raise ValueError("a disk KV tier (kv_disk_bytes) needs kv_disk_dir")
+        if self.kv_disk_bytes and not self.kv_host_bytes:
+            raise ValueError("a disk KV tier needs a host KV tier too (kv_host_bytes): disk writes go through it")
 
 
 @dataclass(frozen=True)
@@ -230,7 +246,8 @@ class Engine:
                                  config.page_size, **kv_layout, draft_slots=k * config.max_running_requests)
         longest = min(mc.max_position_embeddings, self.allocator.full.capacity)
         self.block_table = BlockTable(-(-longest // config.page_size), device, config.max_running_requests)
-        self.cache = RadixCache(self.allocator, config.checkpoint_interval) if config.enable_prefix_caching else None
+        self.tier_io: EngineTierIO | None = None
+        self.cache = self._build_cache(dtype) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator,
             SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size),
@@ -253,6 +270,41 @@ class Engine:
         # engine's device and dtype); requests without spans have no entry.
         self._spans: dict[int, tuple[MultimodalSpan, ...]] = {}
         self._next_id = 0
+
+    def _build_cache(self, dtype: torch.dtype) -> RadixCache:
+        """The radix cache, with host and disk tiers under it when configured."""
+        config = self.config
+        if not config.kv_host_bytes:
+            return RadixCache(self.allocator, config.checkpoint_interval)
+        largest = config.page_size * (self.kv.full_bytes_per_token + self.kv.swa_bytes_per_token)
+        if config.kv_host_bytes < largest:
+            raise ValueError(f"kv_host_bytes={config.kv_host_bytes} cannot hold one page of full and SWA KV "
+                             f"({largest} bytes)")
+        mc = self.model.config
+        # Pages are comparable only for the same weights, KV layout and dtype.
+        fingerprint = model_fingerprint(json.dumps(asdict(mc), sort_keys=True, default=str),
+                                        model_weights_digest(self.model), str(dtype), str(config.page_size),
+                                        f"mtp={self.kv.draft_depths}", str(sorted(self.kv.shapes.items())))
+        tier_config = TierConfig(config.kv_host_bytes, config.kv_disk_bytes,
+                                 config.page_size * self.kv.full_bytes_per_token, self.kv.swa_bytes_per_token)
+        host = HostKVPool(config.kv_host_bytes, pin_memory=self.device.type == "cuda")
+        # The tiers' bookkeeping holds the budget; the store's own limit only
+        # leaves room for file headers.
+        disk = DiskKVStore(config.kv_disk_dir, 2 * config.kv_disk_bytes + (1 << 20), fingerprint) \
+            if config.kv_disk_bytes else None
+        self.tier_io = EngineTierIO(self.kv, host, disk)
+        tiers = KVTiers(tier_config, self.tier_io)
+        if disk is not None:
+            tiers.adopt_disk_entries((key, entry.tokens) for key, entry in disk.entries())
+        return RadixCache(self.allocator, config.checkpoint_interval, tiers=tiers, fingerprint=fingerprint)
+
+    def close(self) -> None:
+        """Write what only host memory holds to the disk tier, and finish the
+        disk writes: a restart over the same directory starts from them."""
+        if self.tier_io is not None:
+            self.cache.tiers.persist()  # type: ignore[union-attr]
+            self.tier_io.close()
+            self.tier_io = None
 
     # -------------------------------------------------------------- requests
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -647,6 +699,16 @@ class Engine:
         self._spans.pop(seq.request_id, None)
         self._drafts.pop(seq.request_id, None)
 
+    def _tier_stats(self) -> dict[str, Any] | None:
+        tiers = self.cache.tiers if self.cache is not None else None
+        if tiers is None or self.tier_io is None:
+            return None
+        io = self.tier_io
+        return {**tiers.as_dict(), "restore_seconds_buckets": list(RESTORE_BUCKETS),
+                "restore_seconds_counts": list(io.restore_seconds), "restore_seconds_sum": io.restore_seconds_sum,
+                "checksum_failures": io.host.checksum_failures
+                + (io.disk.checksum_failures + io.disk.missing + io.disk.scan_dropped if io.disk is not None else 0)}
+
     def flush_cache(self) -> None:
         """Drop every cached prefix no running request holds."""
         if self.cache is not None:
@@ -663,7 +725,9 @@ class Engine:
                 "hit_rate": round(cache.hit_rate, 4),
                 "nodes": self.cache.num_nodes,  # type: ignore[union-attr]
                 "swa_slots_cached": self.cache.swa_slots_cached,  # type: ignore[union-attr]
+                "cached_tokens_by_tier": dict(cache.cached_tokens_by_tier),
             },
+            "kv_tiers": self._tier_stats(),
             "swa_mode": self.config.swa_mode,
             "full_pool": {
                 "capacity_tokens": full.capacity,

@@ -24,7 +24,7 @@ trace simulator) transfers are only counted.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -273,6 +273,35 @@ class KVTiers:
             self.stats.restored_entries[tier] += 1
             return True
         return False
+
+    def persist(self) -> None:
+        """Copy every host entry the disk lacks to disk (a shutdown: host memory
+        is about to go, and the next process starts from the disk)."""
+        if not self.disk.capacity_bytes:
+            return
+        for key in list(self.host.keys()):
+            nbytes, tokens = self.host.entry(key)
+            if nbytes > self.disk.capacity_bytes or (key in self.disk and self.disk.tokens(key) >= tokens):
+                continue
+            self._make_room(self.disk, nbytes)
+            if self.io is not None:
+                self.io.spill(key)
+            self.disk.add(key, nbytes, tokens)
+            self.stats.spilled_bytes += nbytes
+
+    def adopt_disk_entries(self, entries: Iterable[tuple[bytes, int]]) -> None:
+        """Index what an earlier process left on disk ((key, tokens), oldest
+        first), within the budget: a restart restores those prefixes."""
+        for key, tokens in entries:
+            part = key[ADDRESS_BYTES:]
+            if len(key) != ADDRESS_BYTES + 1 or part not in (FULL, SWA):
+                continue
+            nbytes = self.config.full_page_bytes if part == FULL else tokens * self.config.swa_token_bytes
+            if nbytes > self.disk.capacity_bytes:
+                self._discard("disk", key)
+                continue
+            self._make_room(self.disk, nbytes)
+            self.disk.add(key, nbytes, 0 if part == FULL else tokens)
 
     def clear(self) -> None:
         """Drop every entry of both tiers."""

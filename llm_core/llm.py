@@ -45,9 +45,11 @@ class LLM:
         ``chunked_prefill_size``, ``page_size``, ``attention``,
         ``enable_prefix_caching``, ``checkpoint_interval``, ``compile``
         (torch.compile the decode and extend forwards),
-        ``cuda_graph_max_batch`` (CUDA graphs of decode batches up to it) and
+        ``cuda_graph_max_batch`` (CUDA graphs of decode batches up to it),
         ``speculative_tokens`` (MTP drafts verified per step; default one per
-        MTP layer of the checkpoint, 0 turns speculative decoding off)."""
+        MTP layer of the checkpoint, 0 turns speculative decoding off) and
+        ``kv_host_bytes``, ``kv_disk_bytes``, ``kv_disk_dir`` (KV tiers under
+        the device pools; ``close()`` writes host-only entries to disk)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.model_dir = Path(model)
@@ -57,6 +59,11 @@ class LLM:
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         engine_config = EngineConfig(**engine_options)
         self.engine = Engine(self.model, engine_config, self.device)
+
+    def close(self) -> None:
+        """Finish the KV tiers' disk writes (a later process over the same
+        ``kv_disk_dir`` restores from them)."""
+        self.engine.close()
 
     # ------------------------------------------------------------------ input
     def encode_prompt(self, prompt: Prompt) -> list[int]:

@@ -185,3 +185,30 @@ def test_instances_do_not_share_state() -> None:
     assert value(second, "swallow_prompt_tokens_total") == 0
     assert value(second, "swallow_kv_pool_capacity_tokens", pool="full") is None
     assert first.registry is not second.registry
+
+
+def test_kv_tier_stats_are_mirrored_with_a_restore_latency_histogram() -> None:
+    metrics = ServerMetrics()
+    stats = {
+        **ENGINE_STATS,
+        "prefix_cache": {**ENGINE_STATS["prefix_cache"],
+                         "cached_tokens_by_tier": {"device": 100, "host": 150, "disk": 50}},
+        "kv_tiers": {
+            "host_bytes_used": 10, "host_bytes_capacity": 100, "disk_bytes_used": 20, "disk_bytes_capacity": 200,
+            "demoted_bytes": 30, "spilled_bytes": 5, "restored_bytes": {"host": 7, "disk": 3},
+            "checksum_failures": 2, "load_failures": 1,
+            "restore_seconds_buckets": [0.001, 0.01], "restore_seconds_counts": [4, 1, 2], "restore_seconds_sum": 0.5,
+        },
+    }
+    metrics.set_engine_stats(stats)
+    assert value(metrics, "swallow_prefix_cache_cached_tokens_by_tier", tier="host") == 150
+    assert value(metrics, "swallow_kv_tier_used_bytes", tier="disk") == 20
+    assert value(metrics, "swallow_kv_tier_capacity_bytes", tier="host") == 100
+    assert value(metrics, "swallow_kv_tier_bytes", direction="restored", tier="disk") == 3
+    assert value(metrics, "swallow_kv_tier_bytes", direction="demoted", tier="host") == 30
+    assert value(metrics, "swallow_kv_tier_checksum_failures") == 2
+    assert value(metrics, "swallow_kv_restore_seconds_bucket", le="0.001") == 4
+    assert value(metrics, "swallow_kv_restore_seconds_bucket", le="0.01") == 5
+    assert value(metrics, "swallow_kv_restore_seconds_bucket", le="+Inf") == 7
+    assert value(metrics, "swallow_kv_restore_seconds_count") == 7
+    assert value(metrics, "swallow_kv_restore_seconds_sum") == 0.5

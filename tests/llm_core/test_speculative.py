@@ -152,15 +152,20 @@ def _draft_log(llm: LLM) -> tuple[list[list[int]], list[int]]:
     return log, tokens
 
 
-def test_a_cache_hit_drafts_exactly_as_the_same_prompt_served_cold(draftable_checkpoint: Path) -> None:
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_cache_hit_drafts_exactly_as_the_same_prompt_served_cold(draftable_checkpoint: Path, tier: str) -> None:
     params = SamplingParams(max_tokens=30)
     turn_one = PROMPTS[6]  # 130 tokens: checkpoints well past the window
-    warm = LLM(draftable_checkpoint, chunked_prefill_size=48, checkpoint_interval=32)
+    warm = LLM(draftable_checkpoint, chunked_prefill_size=48, checkpoint_interval=32,
+               kv_host_bytes=(64 << 20) if tier == "host" else 0)
     answer = warm.generate([turn_one], params)[0].token_ids
+    if tier == "host":  # the first turn's KV (MTP layers' window included) leaves the device
+        warm.engine.flush_cache()
     second = turn_one + answer + PROMPTS[3]
     warm.add_request(second, params)
     cached_log, cached_tokens = _draft_log(warm)
-    assert warm.stats()["prefix_cache"]["cached_prompt_tokens"] >= len(turn_one) // 16 * 16
+    by_tier = warm.stats()["prefix_cache"]["cached_tokens_by_tier"]
+    assert by_tier[tier] >= len(turn_one) // 16 * 16
 
     cold = LLM(draftable_checkpoint, chunked_prefill_size=48, enable_prefix_caching=False)
     cold.add_request(second, params)

@@ -1,0 +1,219 @@
+"""The KV tiers' mechanism in the engine: copies between the device pools and
+the host and disk stores (``kv_store.py``), for the bookkeeping of
+``kv_tiers.py``.
+
+A full page's entry is, for every full-attention layer, the page's K rows
+then its V rows (a page is contiguous in each layer's tensor). An SWA entry
+of n positions is, for every SWA and MTP layer, the n slots' K rows then
+their V rows, then the hidden states MTP layers chain on: the window of a
+checkpoint with everything speculative decoding needs to draft from it.
+
+Disk writes run on a background thread, in order, so the engine step never
+waits for a file; an entry queued but not yet written is read from the
+queue's copy. Every read is checksum-verified by the store; a bad entry is a
+failed load (the bookkeeping forgets it and the tokens are recomputed).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import xxhash
+
+from llm_core.kv_store import DiskKVStore, HostKVPool
+from llm_core.kv_tiers import Tier
+from llm_core.paged_attention import KVCacheTensors
+
+log = logging.getLogger(__name__)
+
+# Restore latency buckets (seconds), for the histogram in stats and /metrics.
+RESTORE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+
+
+def model_weights_digest(model: torch.nn.Module, samples: int = 4096) -> bytes:
+    """A digest of the weights: every parameter's name, shape, dtype and up to
+    ``samples`` evenly strided elements. Retraining changes practically every
+    element, so another checkpoint of the same shape has another digest; it
+    costs one small gather per parameter, wherever the weights live."""
+    h = xxhash.xxh3_128()
+    for name, param in sorted(model.state_dict().items()):
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // samples)
+        picked = flat[::step][:samples].to("cpu", copy=True).contiguous()
+        h.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
+        h.update(picked.view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+class _DiskWriter:
+    """One background thread writing host entries to disk in queue order."""
+
+    def __init__(self, disk: DiskKVStore) -> None:
+        self.disk = disk
+        self.pending: dict[bytes, tuple[torch.Tensor, int]] = {}  # queued, not written yet
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, bytes, torch.Tensor | None, int] | None] = queue.Queue()
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name="swallow-kv-disk-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, key: bytes, blob: torch.Tensor, tokens: int) -> None:
+        with self._lock:
+            self.pending[key] = (blob, tokens)
+        self._queue.put(("put", key, blob, tokens))
+
+    def remove(self, key: bytes) -> None:
+        with self._lock:
+            self.pending.pop(key, None)
+        self._queue.put(("remove", key, None, 0))
+
+    def queued(self, key: bytes) -> tuple[torch.Tensor, int] | None:
+        with self._lock:
+            return self.pending.get(key)
+
+    def flush(self) -> None:
+        """Wait until everything queued so far is on disk."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._apply(*item)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _apply(self, op: str, key: bytes, blob: torch.Tensor | None, tokens: int) -> None:
+        if op == "remove":
+            self.disk.remove(key)
+            return
+        with self._lock:
+            current = self.pending.get(key)
+        if current is None or current[0] is not blob:
+            return  # removed or replaced while queued
+        self._write(key, blob, tokens)  # type: ignore[arg-type]
+        with self._lock:
+            if self.pending.get(key, (None, 0))[0] is blob:
+                del self.pending[key]
+
+    def _write(self, key: bytes, blob: torch.Tensor, tokens: int) -> None:
+        try:
+            self.disk.put(key, blob, tokens)
+        except (OSError, MemoryError, ValueError) as exc:
+            # The entry is then missing on disk: its load fails and it is recomputed.
+            if not self._failed:
+                log.warning("KV disk tier: a write failed (%s); such pages will be recomputed", exc)
+                self._failed = True
+
+
+class EngineTierIO:
+    """``TierIO`` over an engine's KV tensors, a host pool and a disk store."""
+
+    def __init__(self, kv: KVCacheTensors, host: HostKVPool, disk: DiskKVStore | None) -> None:
+        self.kv = kv
+        self.host = host
+        self.disk = disk
+        self.writer = _DiskWriter(disk) if disk is not None else None
+        layers = [kv.layer(i) for i in sorted(kv._layers)]
+        self.full_tensors = [t for is_swa, k, v in layers if not is_swa for t in (k, v)]
+        self.swa_tensors = [t for is_swa, k, v in layers if is_swa for t in (k, v)]
+        self.swa_tensors += [kv.hidden(j) for j in range(kv.draft_depths)]
+        self.restore_seconds = [0] * (len(RESTORE_BUCKETS) + 1)  # histogram counts
+        self.restore_seconds_sum = 0.0
+
+    # ------------------------------------------------------------- saving
+    def _page_rows(self, page: int) -> list[torch.Tensor]:
+        ps = self.kv.page_size
+        return [t[page * ps : (page + 1) * ps] for t in self.full_tensors]
+
+    def save_full(self, key: bytes, page: int) -> None:
+        self.host.put(key, self._page_rows(page), self.kv.page_size)
+
+    def save_swa(self, key: bytes, slots: Sequence[int]) -> None:
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.kv.device)
+        self.host.put(key, [t.index_select(0, index) for t in self.swa_tensors], len(slots))
+
+    def spill(self, key: bytes) -> None:
+        blob = self.host.get_bytes(key)
+        if blob is None or self.writer is None:
+            return  # a host entry that fails its checksum is not copied to disk
+        self.writer.put(key, blob, self.host.tokens(key))
+
+    def discard(self, tier: Tier, key: bytes) -> None:
+        if tier == "host":
+            self.host.remove(key)
+        elif self.writer is not None:
+            self.writer.remove(key)
+
+    # ------------------------------------------------------------ loading
+    def load_full(self, tier: Tier, key: bytes, page: int) -> bool:
+        return self._timed(lambda: self._load_into(tier, key, self._page_rows(page)))
+
+    def load_swa(self, tier: Tier, key: bytes, slots: Sequence[int]) -> bool:
+        return self._timed(lambda: self._load_swa(tier, key, slots))
+
+    def _load_into(self, tier: Tier, key: bytes, outs: list[torch.Tensor]) -> bool:
+        if tier == "host":
+            return self.host.get_into(key, outs)
+        queued = self.writer.queued(key) if self.writer is not None else None
+        if queued is not None:
+            _copy_blob(queued[0], outs)
+            return True
+        return self.disk is not None and self.disk.read_into(key, outs)
+
+    def _load_swa(self, tier: Tier, key: bytes, slots: Sequence[int]) -> bool:
+        """The last ``len(slots)`` positions of an entry of ``stored`` positions."""
+        blob, stored = self._blob(tier, key)
+        if blob is None or stored < len(slots):
+            return False
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.kv.device)
+        offset, n = 0, len(slots)
+        for t in self.swa_tensors:
+            row = t[0].numel() * t.element_size()
+            rows = blob[offset + (stored - n) * row : offset + stored * row]
+            t.index_copy_(0, index, rows.view(t.dtype).view(n, *t.shape[1:]).to(t.device))
+            offset += stored * row
+        return offset == blob.numel()
+
+    def _blob(self, tier: Tier, key: bytes) -> tuple[torch.Tensor | None, int]:
+        """A verified entry's bytes and positions, from ``tier``."""
+        if tier == "host":
+            blob = self.host.get_bytes(key)
+            return blob, self.host.tokens(key) if blob is not None else 0
+        queued = self.writer.queued(key) if self.writer is not None else None
+        if queued is not None:
+            return queued
+        got = self.disk.get(key) if self.disk is not None else None
+        if got is None:
+            return None, 0
+        payload, tokens = got
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8), tokens
+
+    def _timed(self, load: Callable[[], bool]) -> bool:
+        start = time.perf_counter()
+        ok = load()
+        seconds = time.perf_counter() - start
+        self.restore_seconds[sum(seconds > b for b in RESTORE_BUCKETS)] += 1
+        self.restore_seconds_sum += seconds
+        return ok
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _copy_blob(blob: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for out in outs:
+        n = out.numel() * out.element_size()
+        out.copy_(blob[offset : offset + n].view(out.dtype).view(out.shape))
+        offset += n
