@@ -149,6 +149,12 @@ def _bench(args: argparse.Namespace) -> int:
                              page_size=args.page_size)
     elif args.name == "prefix-cache":
         result = _bench_prefix_cache(args)
+    elif args.name == "tiers":
+        from api.bench_tiers import DEFAULT_LENGTHS, tiers_bench
+
+        lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else DEFAULT_LENGTHS
+        result = tiers_bench(lengths, repeats=args.repeats, page_size=args.page_size,
+                             log=lambda msg: print(msg, file=sys.stderr))
     elif args.name == "load":
         result = _bench_load(args)
     elif args.name == "mtp":
@@ -302,14 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
     video_qa.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
-    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step", "mtp"])
+    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step", "mtp", "tiers"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv, step: model shape")
     bench.add_argument("--running", type=int, default=64, help="step: running requests")
     bench.add_argument("--steps", type=int, default=50, help="step: decode steps timed per context")
     bench.add_argument("--context", type=int, default=131072, help="kv: tokens per request")
     bench.add_argument("--kv-budget-gib", type=float, default=8192.0, help="kv: KV memory budget")
-    bench.add_argument("--page-size", type=int, default=16, help="kv: full-pool page size")
+    bench.add_argument("--page-size", type=int, default=16, help="kv, tiers: full-pool page size")
+    bench.add_argument("--lengths", help="tiers: cached prefix lengths, comma-separated (default: 2048..32768)")
     bench.add_argument("--num-requests", type=int, default=32, help="throughput: requests")
     bench.add_argument("--eager", action="store_true", help="throughput: Swallow without torch.compile")
     bench.add_argument("--seed", type=int, default=0, help="throughput, image, load: workload seed")

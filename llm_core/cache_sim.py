@@ -286,11 +286,12 @@ class ShadowTierIO:
     def corrupt(self, tier: Tier, key: bytes) -> None:
         self.corrupted.add((tier, key))
 
-    def load_full(self, tier: Tier, key: bytes, page: int) -> bool:
-        if (tier, key) in self.corrupted:
-            return False
-        self.shadow.full[page] = self.entries[tier][key]  # type: ignore[assignment]
-        return True
+    def load_full_many(self, tier: Tier, keys: list[bytes], pages: list[int]) -> int:
+        for done, (key, page) in enumerate(zip(keys, pages)):
+            if (tier, key) in self.corrupted:
+                return done
+            self.shadow.full[page] = self.entries[tier][key]  # type: ignore[assignment]
+        return len(keys)
 
     def load_swa(self, tier: Tier, key: bytes, slots: list[int]) -> bool:
         if (tier, key) in self.corrupted:

@@ -298,11 +298,12 @@ class Engine:
             tiers.adopt_disk_entries((key, entry.tokens) for key, entry in disk.entries())
         return RadixCache(self.allocator, config.checkpoint_interval, tiers=tiers, fingerprint=fingerprint)
 
-    def close(self) -> None:
-        """Write what only host memory holds to the disk tier, and finish the
-        disk writes: a restart over the same directory starts from them."""
+    def close(self, persist: bool = True) -> None:
+        """Write what only host memory holds to the disk tier (``persist``), and
+        finish the disk writes: a restart over the same directory starts from them."""
         if self.tier_io is not None:
-            self.cache.tiers.persist()  # type: ignore[union-attr]
+            if persist:
+                self.cache.tiers.persist()  # type: ignore[union-attr]
             self.tier_io.close()
             self.tier_io = None
 

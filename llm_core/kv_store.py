@@ -565,7 +565,8 @@ class DiskKVStore:
 
     def _read(self, key: bytes) -> tuple[np.ndarray, int] | None:
         _check_key(key)
-        if key not in self._index:
+        entry = self._index.get(key)
+        if entry is None:
             return None  # not an entry: not a failure either
         path = self.path(key)
         try:
@@ -577,24 +578,30 @@ class DiskKVStore:
             self._drop_bad(key, path, None, "unreadable file", str(exc))
             return None
         with f:
-            stat = os.fstat(f.fileno())
             try:
-                return self._read_verified(f, key, stat.st_size)
+                return self._read_verified(f, key, entry.file_bytes)
             except _BadFile as bad:
                 reason, detail = bad.kind, f"key {key.hex()}"
             except OSError as exc:
                 reason, detail = "unreadable file", str(exc)
+            stat = os.fstat(f.fileno())
         self._drop_bad(key, path, stat, reason, detail)
         return None
 
     @staticmethod
-    def _read_verified(f: io.FileIO, key: bytes, file_size: int) -> tuple[np.ndarray, int]:
-        head = f.read(_HEADER.size + len(key))
-        _, tokens, payload_len, checksum = _parse_header(head, key, file_size)
+    def _read_verified(f: io.FileIO, key: bytes, expected_size: int) -> tuple[np.ndarray, int]:
+        """The whole file in one read (a restore costs what a plain read of the
+        file does, plus the checksum); one byte more than expected is asked for,
+        so a file that grew is caught as well as one that shrank."""
         # np.empty, not bytearray: a page can be megabytes, no need to zero it first.
-        payload = np.empty(payload_len, dtype=np.uint8)
-        if not _read_exact(f, memoryview(payload)):
-            raise _BadFile("truncated file")  # shrank while we read it
+        raw = np.empty(expected_size + 1, dtype=np.uint8)
+        view = memoryview(raw)
+        size = 0
+        while size < len(view) and (n := f.readinto(view[size:])):
+            size += n
+        head = raw[: min(size, _HEADER.size + len(key))].tobytes()
+        _, tokens, payload_len, checksum = _parse_header(head, key, size)
+        payload = raw[size - payload_len : size]
         if _checksum(payload) != checksum:
             raise _BadFile("checksum mismatch")
         return payload, tokens

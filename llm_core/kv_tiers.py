@@ -66,7 +66,7 @@ class TierIO(Protocol):
     def save_swa(self, key: bytes, slots: Sequence[int]) -> None: ...
     def spill(self, key: bytes) -> None: ...
     def discard(self, tier: Tier, key: bytes) -> None: ...
-    def load_full(self, tier: Tier, key: bytes, page: int) -> bool: ...
+    def load_full_many(self, tier: Tier, keys: Sequence[bytes], pages: Sequence[int]) -> int: ...
     def load_swa(self, tier: Tier, key: bytes, slots: Sequence[int]) -> bool: ...
 
 
@@ -245,9 +245,34 @@ class KVTiers:
 
     def load_full(self, address: bytes, page: int) -> bool:
         """Copy the page's full KV into device ``page``, from the nearest tier."""
-        key = address + FULL
-        return self._load(key, 0, self.config.full_page_bytes,
-                          lambda tier: self.io.load_full(tier, key, page))  # type: ignore[union-attr]
+        return self.load_full_run([address], [page]) == 1
+
+    def load_full_run(self, addresses: Sequence[bytes], pages: Sequence[int]) -> int:
+        """Copy consecutive pages' full KV into device ``pages`` (a run from one
+        tier in one transfer); how many, from the first, were restored. The
+        first that fails is forgotten (a bad checksum, a short or missing file)."""
+        done = 0
+        while done < len(addresses):
+            tier = self.full_tier(addresses[done])
+            if tier is None:
+                return done
+            index = self.index(tier)
+            end = done
+            while end < len(addresses) and addresses[end] + FULL in index:
+                end += 1
+            keys = [a + FULL for a in addresses[done:end]]
+            loaded = self.io.load_full_many(tier, keys, pages[done:end]) if self.io is not None else len(keys)
+            for key in keys[:loaded]:
+                index.touch(key)
+            self.stats.restored_bytes[tier] += loaded * self.config.full_page_bytes
+            self.stats.restored_entries[tier] += loaded
+            done += loaded
+            if loaded < len(keys):
+                self.stats.load_failures += 1
+                index.remove(keys[loaded])
+                self._discard(tier, keys[loaded])
+                return done
+        return done
 
     def load_swa(self, address: bytes, slots: Sequence[int]) -> bool:
         """Copy the SWA KV of the page's last ``len(slots)`` positions into ``slots``."""
@@ -288,6 +313,13 @@ class KVTiers:
                 self.io.spill(key)
             self.disk.add(key, nbytes, tokens)
             self.stats.spilled_bytes += nbytes
+
+    def spill_host(self) -> None:
+        """Move every host entry to disk (host memory is wanted back)."""
+        self.persist()
+        for key in list(self.host.keys()):
+            self.host.remove(key)
+            self._discard("host", key)
 
     def adopt_disk_entries(self, entries: Iterable[tuple[bytes, int]]) -> None:
         """Index what an earlier process left on disk ((key, tokens), oldest

@@ -21,6 +21,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import cache
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import xxhash
@@ -33,6 +36,21 @@ log = logging.getLogger(__name__)
 
 # Restore latency buckets (seconds), for the histogram in stats and /metrics.
 RESTORE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+_COPY_SOURCE = Path(__file__).parent / "csrc" / "kv_page_copy.cpp"
+
+
+@cache
+def page_copy_kernel() -> ModuleType | None:
+    """The C++ page copy (``csrc/kv_page_copy.cpp``), built on first use;
+    None where it cannot be built (the torch path is used)."""
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension.load(name="swallow_kv_page_copy", sources=[str(_COPY_SOURCE)],
+                                  extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure leaves the torch path
+        log.warning("the C++ KV page copy did not build (%s); using the torch path", exc)
+        return None
 
 
 def model_weights_digest(model: torch.nn.Module, samples: int = 4096) -> bytes:
@@ -156,19 +174,33 @@ class EngineTierIO:
 
     # ------------------------------------------------------------ loading
     def load_full(self, tier: Tier, key: bytes, page: int) -> bool:
-        return self._timed(lambda: self._load_into(tier, key, self._page_rows(page)))
+        return self.load_full_many(tier, [key], [page]) == 1
+
+    def load_full_many(self, tier: Tier, keys: Sequence[bytes], pages: Sequence[int]) -> int:
+        """Restore full pages, in order, up to the first that fails; how many did."""
+        start = time.perf_counter()
+        blobs = []
+        for key in keys:
+            blob = self._blob(tier, key)[0]
+            if blob is None:
+                break
+            blobs.append(blob)
+        if blobs:
+            self._blobs_to_pages(blobs, pages[: len(blobs)])
+        self._observe(time.perf_counter() - start, len(keys))
+        return len(blobs)
+
+    def _blobs_to_pages(self, blobs: list[torch.Tensor], pages: Sequence[int]) -> None:
+        kernel = page_copy_kernel() if self.kv.device.type == "cpu" else None
+        if kernel is not None:
+            kernel.blobs_to_pages(blobs, self.full_tensors, torch.tensor(list(pages), dtype=torch.long),
+                                  self.kv.page_size)
+            return
+        for blob, page in zip(blobs, pages):
+            _copy_blob(blob.to(self.kv.device, non_blocking=True), self._page_rows(page))
 
     def load_swa(self, tier: Tier, key: bytes, slots: Sequence[int]) -> bool:
         return self._timed(lambda: self._load_swa(tier, key, slots))
-
-    def _load_into(self, tier: Tier, key: bytes, outs: list[torch.Tensor]) -> bool:
-        if tier == "host":
-            return self.host.get_into(key, outs)
-        queued = self.writer.queued(key) if self.writer is not None else None
-        if queued is not None:
-            _copy_blob(queued[0], outs)
-            return True
-        return self.disk is not None and self.disk.read_into(key, outs)
 
     def _load_swa(self, tier: Tier, key: bytes, slots: Sequence[int]) -> bool:
         """The last ``len(slots)`` positions of an entry of ``stored`` positions."""
@@ -196,15 +228,19 @@ class EngineTierIO:
         if got is None:
             return None, 0
         payload, tokens = got
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8), tokens
+        return torch.frombuffer(payload, dtype=torch.uint8), tokens  # a writable array: no copy
 
     def _timed(self, load: Callable[[], bool]) -> bool:
         start = time.perf_counter()
         ok = load()
-        seconds = time.perf_counter() - start
-        self.restore_seconds[sum(seconds > b for b in RESTORE_BUCKETS)] += 1
-        self.restore_seconds_sum += seconds
+        self._observe(time.perf_counter() - start, 1)
         return ok
+
+    def _observe(self, seconds: float, entries: int) -> None:
+        """One restore of ``entries`` entries: each counts at the mean time."""
+        each = seconds / max(entries, 1)
+        self.restore_seconds[sum(each > b for b in RESTORE_BUCKETS)] += entries
+        self.restore_seconds_sum += seconds
 
     def close(self) -> None:
         if self.writer is not None:

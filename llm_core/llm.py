@@ -166,6 +166,7 @@ class LLM:
         """A fresh engine (empty pools and cache) on the same model, after an
         EngineFault: every request of the old one is dropped."""
         config = self.engine.config
+        self.engine.close(persist=False)  # disk writes finish; host entries made before the fault are dropped
         del self.engine  # its KV tensors go before the new ones are allocated
         self.engine = Engine(self.model, config, self.device)
 

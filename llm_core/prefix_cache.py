@@ -303,15 +303,16 @@ class RadixCache:
         if full.free_pages < len(match.restore) or swa.free_pages < swa_needed:
             return False
         parent = nodes[-1] if nodes else self.root
-        for page in match.restore:
-            (slot,) = full.allocate(1)
-            if not self.tiers.load_full(page.address, slot):
-                full.release([slot])
-                return None
+        slots = full.allocate(len(match.restore))
+        loaded = self.tiers.load_full_run([page.address for page in match.restore], slots)
+        full.release(slots[loaded:])
+        for page, slot in zip(match.restore[:loaded], slots):
             child = self._new_node(page.key, parent, slot, page.address)
             self._lock(lock, [child], [])
             nodes.append(child)
             parent = child
+        if loaded < len(match.restore):
+            return None
         for node, need in self._window_nodes(nodes, match.length):
             held = len(node.swa) if node.swa is not None else 0
             if held >= need:
