@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade "pip>=24"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	$(BIN)/python -m llm_core.cpu_attention
+	$(BIN)/python -m llm_core.kv_transfer
 	@touch $(STAMP)
 
 serve: install

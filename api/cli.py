@@ -198,7 +198,8 @@ def _bench_prefix_cache(args: argparse.Namespace) -> dict:
                                 host_tokens=args.host_tokens, disk_tokens=args.disk_tokens)
     if args.tier_plot:
         sizes = [int(float(x)) for x in args.host_sweep.split(",")]
-        points = list(tier_sweep(args.trace, sizes, args.full_pool_tokens, args.swa_fraction, args.disk_tokens,
+        # Host memory alone at each size: the curve is what host memory buys.
+        points = list(tier_sweep(args.trace, sizes, args.full_pool_tokens, args.swa_fraction, 0,
                                  checkpoint_interval=args.checkpoint_interval or None, limit=args.limit))
         plot_tier_sweep(points, result["upper_bound"], args.full_pool_tokens, args.tier_plot,
                         f"{Path(args.trace).name}: hit rate vs host tier")
@@ -342,8 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prefix-cache: host-memory tier, in tokens of full-layer KV (0: none)")
     bench.add_argument("--disk-tokens", type=int, default=0,
                        help="prefix-cache: disk tier, in tokens of full-layer KV (0: none)")
-    bench.add_argument("--tier-plot", help="prefix-cache: also sweep host tier sizes and save a PNG here")
-    bench.add_argument("--host-sweep", default="0,1e6,2e6,4e6,8e6,16e6,32e6,64e6",
+    bench.add_argument("--tier-plot", help="prefix-cache: also sweep host tier sizes (no disk) and save a PNG here")
+    bench.add_argument("--host-sweep", default="0,4e6,8e6,16e6,32e6,64e6,128e6,256e6",
                        help="prefix-cache: host tier sizes (tokens) for --tier-plot")
     bench.add_argument("--model", help="load, mtp: checkpoint to serve (default: the demo model)")
     bench.add_argument("--speculative-tokens", type=int,

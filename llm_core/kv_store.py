@@ -156,6 +156,7 @@ class _HostEntry:
     blob: torch.Tensor  # flat uint8, never written after put (so views stay valid)
     checksum: int
     tokens: int
+    array: np.ndarray  # the blob's bytes as numpy sees them: hashing it costs no conversion
 
 
 class HostKVPool:
@@ -223,7 +224,8 @@ class HostKVPool:
                 offset += flat.numel()
             # Hash the host copy, not the source: the checksum must vouch for
             # exactly the bytes that get_into will hand back.
-            entry = _HostEntry(blob, _checksum(blob), tokens)
+            array = blob.numpy()
+            entry = _HostEntry(blob, _checksum(array), tokens, array)
         except BaseException:
             with self._lock:
                 self._reserved -= size
@@ -280,7 +282,7 @@ class HostKVPool:
     def _verify(self, key: bytes, entry: _HostEntry) -> bool:
         # Hashing happens outside the lock: blobs are immutable, and a large page
         # should not stall the other thread.
-        if _checksum(entry.blob) == entry.checksum:
+        if _checksum(entry.array) == entry.checksum:
             return True
         with self._lock:
             self.checksum_failures += 1
@@ -383,6 +385,7 @@ class DiskKVStore:
         self._fsync = fsync
         self._dir = Path(root) / namespace.hex()[:32]
         self._dir.mkdir(parents=True, exist_ok=True)
+        self._dir_prefix = f"{self._dir}{os.sep}"  # str paths: a Path join costs more than a small read
         self._index: dict[bytes, _IndexEntry] = {}
         self._used = 0
         self._reserved = 0  # bytes of puts between their capacity check and commit
@@ -433,8 +436,11 @@ class DiskKVStore:
 
     def path(self, key: bytes) -> Path:
         """Where ``key``'s file lives (whether or not it exists)."""
+        return Path(self._file(key))
+
+    def _file(self, key: bytes) -> str:
         name = key.hex()
-        return self._dir / name[:2] / f"{name}{_SUFFIX}"
+        return f"{self._dir_prefix}{name[:2]}{os.sep}{name}{_SUFFIX}"
 
     # ------------------------------------------------------------------ writes
 
@@ -568,14 +574,15 @@ class DiskKVStore:
         entry = self._index.get(key)
         if entry is None:
             return None  # not an entry: not a failure either
-        path = self.path(key)
+        file = self._file(key)
         try:
-            f = open(path, "rb", buffering=0)
+            f = open(file, "rb", buffering=0)
         except FileNotFoundError:
+            path = Path(file)
             self._drop_missing(key, path)
             return None
         except OSError as exc:
-            self._drop_bad(key, path, None, "unreadable file", str(exc))
+            self._drop_bad(key, Path(file), None, "unreadable file", str(exc))
             return None
         with f:
             try:
@@ -585,7 +592,7 @@ class DiskKVStore:
             except OSError as exc:
                 reason, detail = "unreadable file", str(exc)
             stat = os.fstat(f.fileno())
-        self._drop_bad(key, path, stat, reason, detail)
+        self._drop_bad(key, Path(file), stat, reason, detail)
         return None
 
     @staticmethod

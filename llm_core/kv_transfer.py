@@ -179,9 +179,10 @@ class EngineTierIO:
     def load_full_many(self, tier: Tier, keys: Sequence[bytes], pages: Sequence[int]) -> int:
         """Restore full pages, in order, up to the first that fails; how many did."""
         start = time.perf_counter()
+        fetch = self.host.get_bytes if tier == "host" else (lambda key: self._blob("disk", key)[0])
         blobs = []
         for key in keys:
-            blob = self._blob(tier, key)[0]
+            blob = fetch(key)
             if blob is None:
                 break
             blobs.append(blob)
@@ -253,3 +254,7 @@ def _copy_blob(blob: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         n = out.numel() * out.element_size()
         out.copy_(blob[offset : offset + n].view(out.dtype).view(out.shape))
         offset += n
+
+
+if __name__ == "__main__":  # `python -m llm_core.kv_transfer`: build ahead of the first restore
+    print("C++ KV page copy:", "built" if page_copy_kernel() is not None else "unavailable (the torch path is used)")

@@ -250,9 +250,16 @@ def plot_sweep(points: list[dict[str, Any]], bound: float, out: str | Path, titl
         xs = [p["swa_fraction"] * 100 for p in points if p["policy"] == policy]
         ys = [p["hit_rate"] for p in points if p["policy"] == policy]
         ax.plot(xs, ys, marker="o", label=labels[policy])
+    _finish_plot(fig, ax, bound, "SWA pool size (% of full pool)", title, out)
+
+
+def _finish_plot(fig: Any, ax: Any, bound: float, xlabel: str, title: str, out: str | Path) -> None:
+    """The bound line, log x axis, labels and legend, saved as a PNG."""
+    import matplotlib.pyplot as plt
+
     ax.axhline(bound, color="grey", linestyle="--", label=f"upper bound (infinite cache) {bound:.3f}")
     ax.set_xscale("log")
-    ax.set_xlabel("SWA pool size (% of full pool)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("prompt-token hit rate")
     ax.set_ylim(0, 1)
     ax.set_title(title)
@@ -290,17 +297,13 @@ def plot_tier_sweep(points: list[dict[str, Any]], bound: float, device_tokens: i
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    xs = [max(p["host_tokens"], 1) / 1e6 for p in points]
-    ax.plot(xs, [p["hit_rate"] for p in points], marker="o", label="hit rate (device + host)")
-    ax.plot(xs, [p["hit_rate_by_tier"]["host"] for p in points], marker=".", linestyle=":",
+    tiered = [p for p in points if p["host_tokens"]]
+    xs = [p["host_tokens"] / 1e6 for p in tiered]
+    ax.plot(xs, [p["hit_rate"] for p in tiered], marker="o", label="hit rate (device + host)")
+    ax.plot(xs, [p["hit_rate_by_tier"]["host"] for p in tiered], marker=".", linestyle=":",
             label="of which restored from host memory")
-    ax.axhline(bound, color="grey", linestyle="--", label=f"upper bound (infinite cache) {bound:.3f}")
-    ax.set_xscale("log")
-    ax.set_xlabel(f"host tier size (M tokens of full-layer KV; device pool {device_tokens / 1e6:g}M)")
-    ax.set_ylabel("prompt-token hit rate")
-    ax.set_ylim(0, 1)
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    for p in points:
+        if not p["host_tokens"]:
+            ax.axhline(p["hit_rate"], color="tab:red", linestyle=":", label=f"device pool alone {p['hit_rate']:.3f}")
+    _finish_plot(fig, ax, bound, f"host tier size (M tokens of full-layer KV; device pool {device_tokens / 1e6:g}M)",
+                 title, out)

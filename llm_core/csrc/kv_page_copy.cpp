@@ -41,6 +41,8 @@ void blobs_to_pages(const std::vector<at::Tensor>& blobs, const std::vector<at::
   }
   std::vector<uint8_t*> dst;
   for (const auto& t : pool) dst.push_back(static_cast<uint8_t*>(t.data_ptr()));
+  // Plain memory copies: other Python threads (the disk writer) may run meanwhile.
+  pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, static_cast<int64_t>(blobs.size()), 16, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const uint8_t* from = src[i];
