@@ -385,6 +385,8 @@ class Engine:
         except RequestTooLarge as exc:
             return [self._fail(exc.seq, exc)]
         if not chunks:
+            if self.tier_io is not None and self.scheduler.loading():
+                self.tier_io.wait_prefetch(0.01)  # nothing else to run: wait for the disk, not spin
             return []
         return self._run(chunks)
 

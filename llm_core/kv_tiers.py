@@ -70,6 +70,14 @@ class TierIO(Protocol):
     def load_swa(self, tier: Tier, key: bytes, slots: Sequence[int]) -> bool: ...
 
 
+class PrefetchIO(TierIO, Protocol):
+    """A ``TierIO`` that reads disk entries into host memory in the background."""
+
+    def prefetch(self, key: bytes) -> None: ...
+    def prefetched(self) -> list[tuple[bytes, bool]]: ...  # finished reads since the last call: (key, ok)
+    def adopt_prefetched(self, key: bytes) -> None: ...  # a finished read's bytes become the host entry
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """Byte budgets, and what one entry costs: a full page (every full
@@ -156,6 +164,7 @@ class KVTiers:
         self.host = TierIndex("host", config.host_bytes)
         self.disk = TierIndex("disk", config.disk_bytes)
         self.stats = TierStats()
+        self.loading: set[bytes] = set()  # disk entries being read into host memory
 
     def index(self, tier: Tier) -> TierIndex:
         return self.host if tier == "host" else self.disk
@@ -236,6 +245,45 @@ class KVTiers:
     def _discard(self, tier: Tier, key: bytes) -> None:
         if self.io is not None:
             self.io.discard(tier, key)
+
+    # ----------------------------------------------------------- prefetch
+    def prefetch(self, keys: Iterable[bytes]) -> bool:
+        """Start reading the disk-only ones of ``keys`` into host memory, in the
+        background (when the mechanism can); True while any of them is still
+        on its way, so the request waits and others run."""
+        if not hasattr(self.io, "prefetch"):  # a PrefetchIO; without one, restores read disk in place
+            return False
+        waiting = False
+        for key in keys:
+            if key in self.loading:
+                waiting = True
+            elif key in self.disk and key not in self.host:
+                self.loading.add(key)
+                self.io.prefetch(key)  # type: ignore[union-attr]
+                waiting = True
+        return waiting
+
+    def poll(self) -> None:
+        """Take in the background reads that finished: each becomes a host
+        entry, or, when its file was bad, a miss from that page on."""
+        if not self.loading:
+            return
+        for key, ok in self.io.prefetched():  # type: ignore[union-attr]
+            self.loading.discard(key)
+            if not ok:
+                self.stats.load_failures += 1
+                self.disk.remove(key)
+                continue
+            if key not in self.disk:
+                continue  # evicted from disk meanwhile: forgotten
+            nbytes, tokens = self.disk.entry(key)
+            if key in self.host or nbytes > self.host.capacity_bytes:
+                continue
+            self._make_room(self.host, nbytes)
+            self.io.adopt_prefetched(key)  # type: ignore[union-attr]
+            self.host.add(key, nbytes, tokens)
+            self.stats.restored_bytes["disk"] += nbytes
+            self.stats.restored_entries["disk"] += 1
 
     # ------------------------------------------------------------ restore
     def touch_page(self, address: bytes) -> None:

@@ -133,6 +133,43 @@ class _DiskWriter:
                 self._failed = True
 
 
+class _DiskReader:
+    """One background thread reading (and verifying) disk entries for prefetches."""
+
+    def __init__(self, read: Callable[[bytes], tuple[torch.Tensor | None, int]]) -> None:
+        self._read = read
+        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._done: list[tuple[bytes, torch.Tensor | None, int]] = []
+        self.ready = threading.Event()  # set when a read finishes
+        self._thread = threading.Thread(target=self._run, name="swallow-kv-disk-reader", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: bytes) -> None:
+        self._queue.put(key)
+
+    def take(self) -> list[tuple[bytes, torch.Tensor | None, int]]:
+        with self._lock:
+            done, self._done = self._done, []
+            self.ready.clear()
+        return done
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (key := self._queue.get()) is not None:
+            try:
+                blob, tokens = self._read(key)
+            except Exception as exc:  # noqa: BLE001 - a read that fails is a miss, never a dead thread
+                log.warning("KV disk tier: a prefetch failed (%s)", exc)
+                blob, tokens = None, 0
+            with self._lock:
+                self._done.append((key, blob, tokens))
+                self.ready.set()
+
+
 class EngineTierIO:
     """``TierIO`` over an engine's KV tensors, a host pool and a disk store."""
 
@@ -141,6 +178,8 @@ class EngineTierIO:
         self.host = host
         self.disk = disk
         self.writer = _DiskWriter(disk) if disk is not None else None
+        self.reader = _DiskReader(lambda key: self._blob("disk", key)) if disk is not None else None
+        self._fetched: dict[bytes, tuple[torch.Tensor, int]] = {}
         layers = [kv.layer(i) for i in sorted(kv._layers)]
         self.full_tensors = [t for is_swa, k, v in layers if not is_swa for t in (k, v)]
         self.swa_tensors = [t for is_swa, k, v in layers if is_swa for t in (k, v)]
@@ -231,6 +270,30 @@ class EngineTierIO:
         payload, tokens = got
         return torch.frombuffer(payload, dtype=torch.uint8), tokens  # a writable array: no copy
 
+    # ---------------------------------------------------------- prefetch
+    def prefetch(self, key: bytes) -> None:
+        assert self.reader is not None
+        self.reader.submit(key)
+
+    def prefetched(self) -> list[tuple[bytes, bool]]:
+        if self.reader is None:
+            return []
+        out = []
+        for key, blob, tokens in self.reader.take():
+            if blob is not None:
+                self._fetched[key] = (blob, tokens)
+            out.append((key, blob is not None))
+        return out
+
+    def adopt_prefetched(self, key: bytes) -> None:
+        blob, tokens = self._fetched.pop(key)
+        self.host.put(key, [blob], tokens)
+
+    def wait_prefetch(self, timeout: float) -> None:
+        """Block until a background read finishes (or ``timeout`` seconds)."""
+        if self.reader is not None:
+            self.reader.ready.wait(timeout)
+
     def _timed(self, load: Callable[[], bool]) -> bool:
         start = time.perf_counter()
         ok = load()
@@ -244,6 +307,8 @@ class EngineTierIO:
         self.restore_seconds_sum += seconds
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
         if self.writer is not None:
             self.writer.close()
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from llm_core.kv_pool import KVAllocator, SequenceView
-from llm_core.kv_tiers import TIERS, KVTiers, Tier, model_fingerprint, page_address, token_bytes
+from llm_core.kv_tiers import FULL, SWA, TIERS, KVTiers, Tier, model_fingerprint, page_address, token_bytes
 
 PageKey = Hashable  # tuple of a page's token ids (engine) or a block identity (trace)
 
@@ -225,6 +225,26 @@ class RadixCache:
             if covered >= end - self.window_start(end):
                 best = len(path) + len(pages)
         return path, pages, best
+
+    def disk_keys(self, match: PrefixMatch) -> list[bytes]:
+        """Tier keys of what restoring ``match`` would read from disk (entries
+        no nearer tier holds): full pages past the device tree, and the
+        window's SWA."""
+        tiers = self.tiers
+        if tiers is None:
+            return []
+        keys = [page.address + FULL for page in match.restore if page.tier == "disk"]
+        ps, nodes = self.page_size, match.nodes
+        start = self.window_start(match.length)
+        for j in range(start // ps, match.length // ps):
+            need = (j + 1) * ps - max(start, j * ps)
+            node = nodes[j] if j < len(nodes) else None
+            if node is not None and node.swa is not None and len(node.swa) >= need:
+                continue
+            key = (node.address if node is not None else match.restore[j - len(nodes)].address) + SWA
+            if tiers.host.tokens(key) < need:
+                keys.append(key)
+        return keys
 
     def _device_safe(self, nodes: Sequence[RadixNode]) -> int:
         """How many of ``nodes`` are a window-safe prefix with device SWA alone."""

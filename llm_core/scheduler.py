@@ -32,6 +32,11 @@ class Sequence:
     # step, and the first position whose MTP rows are not final yet.
     num_drafts: int = 0
     mtp_done: int = 0
+    # Its cached prefix is being read from disk into host memory: it waits
+    # (others are admitted past it) and matches again once that is done. One
+    # such round per request: what is still on disk then is read in place.
+    loading: bool = False
+    prefetched: bool = False
 
     def tokens(self, end: int) -> list[int]:
         return self.token_slice(0, end)
@@ -107,6 +112,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
+        if self.cache is not None and self.cache.tiers is not None:
+            self.cache.tiers.poll()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         # Decodes first: they hold memory already and each costs one token.
@@ -124,18 +131,24 @@ class Scheduler:
             if chunk := self._prefill_chunk(seq, budget):
                 chunks.append(chunk)
                 budget -= chunk.length
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            seq = self.waiting[0]
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_running_requests:
+            seq = self.waiting[index]
             chunk = self._prefill_chunk(seq, budget)
             if chunk is None:
                 # Not admitted: it must not pin the cached prefix it matched, or
                 # the running requests could not evict those pages to grow.
                 self._unpin(seq)
+                if seq.loading:
+                    index += 1  # its prefix is on its way from disk: the next one may run
+                    continue
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             self.running.append(seq)
             chunks.append(chunk)
             budget -= chunk.length
+        if not chunks and self.loading():
+            return chunks  # nothing to run until a disk read finishes
         if not chunks and len(self.running) > 1:
             # Every running request is stuck on memory: free the newest and retry.
             self.preempt(self.running[-1])
@@ -144,9 +157,15 @@ class Scheduler:
             raise RequestTooLarge((self.running or list(self.waiting))[0])
         return chunks
 
+    def loading(self) -> bool:
+        """Whether a waiting request waits for its prefix to come from disk."""
+        return any(seq.loading for seq in self.waiting)
+
     def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
         if self.cache is not None and seq.cache_lock is None:
             self._match_prefix(seq)
+            if seq.loading:
+                return None
         n = min(seq.num_tokens - seq.num_computed, self.config.chunked_prefill_size, budget)
         if n < 1 or not self._has_room(seq.view, seq.num_computed + n):
             return None
@@ -160,6 +179,15 @@ class Scheduler:
         while True:
             # At least one token must run to produce the next logits.
             match = self.cache.match(keys, max_pages=(seq.num_tokens - 1) // self.cache.page_size)
+            tiers = self.cache.tiers
+            if tiers is not None and (seq.loading or not seq.prefetched):
+                disk = self.cache.disk_keys(match)
+                if seq.loading:  # a round is on its way: wait for it, start nothing new
+                    seq.loading = any(key in tiers.loading for key in disk)
+                else:
+                    seq.loading = seq.prefetched = tiers.prefetch(disk)
+                if seq.loading:
+                    return
             lock = self.cache.attach(seq.view, match)
             if lock is not None:
                 break  # else a page failed to load from a tier and is forgotten: match again

@@ -121,3 +121,26 @@ def test_a_damaged_page_file_is_detected_and_recomputed(
     tiers = restarted.stats()["kv_tiers"]
     assert tiers["load_failures"] >= 1 and tiers["checksum_failures"] >= 1
     restarted.engine.close()
+
+
+def test_a_request_waiting_for_disk_does_not_hold_up_the_others(
+    hf_checkpoint: Path, tmp_path: Path, reference: list[list[int]]
+) -> None:
+    first = _first_turn_on_disk(hf_checkpoint, tmp_path / "kv")
+    llm = _tiered(hf_checkpoint, tmp_path / "kv", host_pages=64)
+    from_disk = llm.add_request(_ids(1, 29) + first + _ids(2, 6), PARAMS)
+    other = llm.add_request(_ids(77, 9), PARAMS)
+    events = llm.step()
+    # The first step runs the other request; the first waits for its prefix to come from disk.
+    assert {e.request_id for e in events} == {other}
+    assert llm.engine.scheduler.waiting[0].request_id == from_disk
+    tokens: dict[int, list[int]] = {from_disk: [], other: []}
+    for e in events:
+        tokens[e.request_id].append(e.token)
+    while llm.engine.has_unfinished():
+        for e in llm.step():
+            tokens[e.request_id].append(e.token)
+    assert tokens[from_disk] == reference[1]
+    assert _by_tier(llm)["host"] + _by_tier(llm)["disk"] >= 28  # read from disk into host memory, then restored
+    assert llm.stats()["kv_tiers"]["restored_entries"]["disk"] > 0
+    llm.engine.close()
