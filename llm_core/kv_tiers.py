@@ -165,11 +165,17 @@ class KVTiers:
         self.disk = TierIndex("disk", config.disk_bytes)
         self.stats = TierStats()
         self.loading: set[bytes] = set()  # disk entries being read into host memory
+        self.from_disk: set[bytes] = set()  # host entries a prefetch brought: their hits count as disk hits
 
     def index(self, tier: Tier) -> TierIndex:
         return self.host if tier == "host" else self.disk
 
     # ------------------------------------------------------------- lookup
+    def origin(self, address: bytes, tier: Tier) -> Tier:
+        """Where a hit on this page counts: a host entry a prefetch brought
+        from disk counts as disk."""
+        return "disk" if tier == "host" and address + FULL in self.from_disk else tier
+
     def full_tier(self, address: bytes, tiers: Sequence[Tier] = TIERS) -> Tier | None:
         """The nearest of ``tiers`` holding the page's full KV."""
         key = address + FULL
@@ -218,6 +224,7 @@ class KVTiers:
         if self.io is not None:
             save()
         self.host.add(key, nbytes, tokens)
+        self.from_disk.discard(key)
         self.stats.demoted_bytes += nbytes
 
     def _make_room(self, index: TierIndex, nbytes: int) -> None:
@@ -231,6 +238,7 @@ class KVTiers:
         the disk drops its entries."""
         nbytes, tokens = index.entry(key)
         index.remove(key)
+        self.from_disk.discard(key)
         if index is self.host and nbytes <= self.disk.capacity_bytes:
             if not (key in self.disk and self.disk.tokens(key) >= tokens):
                 self._make_room(self.disk, nbytes)
@@ -282,6 +290,7 @@ class KVTiers:
             self._make_room(self.host, nbytes)
             self.io.adopt_prefetched(key)  # type: ignore[union-attr]
             self.host.add(key, nbytes, tokens)
+            self.from_disk.add(key)
             self.stats.restored_bytes["disk"] += nbytes
             self.stats.restored_entries["disk"] += 1
 
@@ -368,6 +377,7 @@ class KVTiers:
         for key in list(self.host.keys()):
             self.host.remove(key)
             self._discard("host", key)
+        self.from_disk.clear()
 
     def adopt_disk_entries(self, entries: Iterable[tuple[bytes, int]]) -> None:
         """Index what an earlier process left on disk ((key, tokens), oldest
@@ -385,6 +395,7 @@ class KVTiers:
 
     def clear(self) -> None:
         """Drop every entry of both tiers."""
+        self.from_disk.clear()
         for index in (self.host, self.disk):
             for key in list(index.keys()):
                 index.remove(key)

@@ -216,7 +216,7 @@ class RadixCache:
                 tier = self.tiers.full_tier(address, tiers)  # type: ignore[union-attr]
                 if tier is None:
                     break
-                pages.append(TierPage(key, address, tier))
+                pages.append(TierPage(key, address, self.tiers.origin(address, tier)))  # type: ignore[union-attr]
                 held = self.tiers.swa_tokens(address, tiers)  # type: ignore[union-attr]
             else:
                 break
@@ -233,7 +233,7 @@ class RadixCache:
         tiers = self.tiers
         if tiers is None:
             return []
-        keys = [page.address + FULL for page in match.restore if page.tier == "disk"]
+        keys = [page.address + FULL for page in match.restore if page.address + FULL not in tiers.host]
         ps, nodes = self.page_size, match.nodes
         start = self.window_start(match.length)
         for j in range(start // ps, match.length // ps):

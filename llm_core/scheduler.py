@@ -37,6 +37,7 @@ class Sequence:
     # such round per request: what is still on disk then is read in place.
     loading: bool = False
     prefetched: bool = False
+    loading_keys: tuple[bytes, ...] = ()  # the tier entries it waits for
 
     def tokens(self, end: int) -> list[int]:
         return self.token_slice(0, end)
@@ -175,18 +176,20 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         """Reuse the longest window-safe cached prefix: no copy, no prefill."""
         assert self.cache is not None
+        tiers = self.cache.tiers
+        if seq.loading:  # a disk read is on its way: check it without matching again
+            seq.loading = any(key in tiers.loading for key in seq.loading_keys)  # type: ignore[union-attr]
+            if seq.loading:
+                return
         keys = self.cache.page_keys(seq.tokens(seq.num_tokens))
         while True:
             # At least one token must run to produce the next logits.
             match = self.cache.match(keys, max_pages=(seq.num_tokens - 1) // self.cache.page_size)
-            tiers = self.cache.tiers
-            if tiers is not None and (seq.loading or not seq.prefetched):
+            if tiers is not None and not seq.prefetched:
                 disk = self.cache.disk_keys(match)
-                if seq.loading:  # a round is on its way: wait for it, start nothing new
-                    seq.loading = any(key in tiers.loading for key in disk)
-                else:
-                    seq.loading = seq.prefetched = tiers.prefetch(disk)
+                seq.loading = seq.prefetched = tiers.prefetch(disk)
                 if seq.loading:
+                    seq.loading_keys = tuple(disk)
                     return
             lock = self.cache.attach(seq.view, match)
             if lock is not None:
