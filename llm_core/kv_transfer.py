@@ -180,7 +180,7 @@ class EngineTierIO:
         self.writer = _DiskWriter(disk) if disk is not None else None
         self.reader = _DiskReader(lambda key: self._blob("disk", key)) if disk is not None else None
         self._fetched: dict[bytes, tuple[torch.Tensor, int]] = {}
-        layers = [kv.layer(i) for i in sorted(kv._layers)]
+        layers = [kv.layer(i) for i in kv.layer_ids]
         self.full_tensors = [t for is_swa, k, v in layers if not is_swa for t in (k, v)]
         self.swa_tensors = [t for is_swa, k, v in layers if is_swa for t in (k, v)]
         self.swa_tensors += [kv.hidden(j) for j in range(kv.draft_depths)]

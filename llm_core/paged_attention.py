@@ -419,6 +419,11 @@ class KVCacheTensors:
         return self._layers[layer_idx]
 
     @property
+    def layer_ids(self) -> list[int]:
+        """Every layer with KV here (main and MTP), in order."""
+        return sorted(self._layers)
+
+    @property
     def draft_depths(self) -> int:
         return len(self._hidden)
 
