@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llm_core import LLM, SamplingParams
-from tests.conftest import hf_greedy_outputs
+from tests.conftest import assert_pools_full, hf_greedy_outputs
 
 PARAMS = SamplingParams(max_tokens=10)
 
@@ -144,3 +144,31 @@ def test_a_request_waiting_for_disk_does_not_hold_up_the_others(
     assert _by_tier(llm)["host"] + _by_tier(llm)["disk"] >= 28  # read from disk into host memory, then restored
     assert llm.stats()["kv_tiers"]["restored_entries"]["disk"] > 0
     llm.engine.close()
+
+
+def test_aborting_a_request_that_waits_for_disk_leaks_nothing(hf_checkpoint: Path, tmp_path: Path) -> None:
+    first = _first_turn_on_disk(hf_checkpoint, tmp_path / "kv")
+    llm = _tiered(hf_checkpoint, tmp_path / "kv", host_pages=64)
+    waiting = llm.add_request(_ids(1, 29) + first + _ids(2, 6), PARAMS)
+    assert llm.step() == [] and llm.engine.scheduler.loading()
+    assert llm.abort(waiting)
+    while llm.engine.has_unfinished():
+        llm.step()
+    llm.engine.cache.tiers.poll()  # type: ignore[union-attr]  # the read that was on its way lands in host memory
+    assert_pools_full(llm)
+    llm.engine.close()
+
+
+def test_preemption_under_a_tiny_device_pool_with_tiers_matches_recompute(hf_checkpoint: Path) -> None:
+    prompts = [_ids(40 + i, 30 + 7 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=24)
+    expected = [o.token_ids for o in LLM(hf_checkpoint, enable_prefix_caching=False).generate(prompts, params)]
+    kv = LLM(hf_checkpoint, page_size=4, enable_prefix_caching=False).engine.kv
+    per_token = kv.full_bytes_per_token + kv.swa_bytes_per_token
+    llm = LLM(hf_checkpoint, page_size=4, chunked_prefill_size=16, kv_budget_bytes=320 * per_token,
+              kv_host_bytes=4096 * per_token, max_running_requests=4)
+    for _ in range(2):  # the second round comes back through the tiers
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.stats()["preemptions"] > 0
+    assert llm.stats()["kv_tiers"]["restored_entries"]["host"] > 0
+    assert_pools_full(llm)
