@@ -28,6 +28,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from llm_core.kv_pool import KVAllocator, SequenceView
 from llm_core.kv_tiers import FULL, SWA, TIERS, KVTiers, Tier, model_fingerprint, page_address, token_bytes
@@ -561,8 +562,33 @@ class RadixCache:
             if node.swa is not None and not node.swa_lock:
                 self._push_swa(node)
 
+    # Every touch pushes an entry and old ones are only skipped when popped, so
+    # the heaps are rebuilt from their current entries once they outgrow the
+    # tree: bounded memory, amortised O(1) per push.
     def _push_full(self, node: RadixNode) -> None:
         heapq.heappush(self._full_heap, (node.stamp, next(self._tie), node))
+        if len(self._full_heap) > 2 * self.num_nodes + _HEAP_SLACK:
+            self._full_heap = _current(self._full_heap, lambda key, n: n.alive and key == n.stamp)
 
     def _push_swa(self, node: RadixNode) -> None:
         heapq.heappush(self._swa_heap, ((node.swa_priority, node.swa_stamp), next(self._tie), node))
+        if len(self._swa_heap) > 2 * self.num_nodes + _HEAP_SLACK:
+            self._swa_heap = _current(self._swa_heap, lambda key, n: n.alive and n.swa is not None
+                                      and key == (n.swa_priority, n.swa_stamp))
+
+
+_HEAP_SLACK = 1024
+_Entry = TypeVar("_Entry", bound=tuple)
+
+
+def _current(heap: list[_Entry], valid: Callable[[object, RadixNode], bool]) -> list[_Entry]:
+    """A heap of ``heap``'s entries that are still current, one per node. A
+    node dropped here is pushed again whenever it becomes evictable."""
+    seen: set[int] = set()
+    kept = []
+    for entry in sorted(heap):
+        key, _, node = entry
+        if id(node) not in seen and valid(key, node):
+            seen.add(id(node))
+            kept.append(entry)
+    return kept  # sorted: already a heap

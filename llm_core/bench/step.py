@@ -97,6 +97,7 @@ def _prefilled(engine: Engine, seq: Sequence) -> None:
         allocator.release_out_of_window(seq.view, seq.num_computed)
     seq.output.append(3)
     engine.scheduler.running.append(seq)
+    seq.is_running = True
 
 
 def _advance(engine: Engine, chunks: list[ScheduledChunk]) -> None:

@@ -230,3 +230,17 @@ def test_the_shadow_check_catches_a_hit_on_freed_slots() -> None:
     sim.run(_tokens(41, 64), [1])
     sim.run(prompt + [3, 4, 5], [1])
     assert sim.result.verified_hits == 1 and sim.result.false_hits == 1
+
+
+def test_lru_heaps_stay_bounded_by_the_tree_under_repeated_hits() -> None:
+    sim = _sim()
+    prompt = _tokens(60, 30)
+    sim.run(prompt, [1, 2])
+    cache = sim.cache
+    keys = cache.page_keys(prompt)
+    for _ in range(5000):  # every hit touches the path: a push per node each time
+        cache.match(keys)
+    assert len(cache._full_heap) <= 2 * cache.num_nodes + 1024
+    assert len(cache._swa_heap) <= 2 * cache.num_nodes + 1024
+    # Compaction dropped nothing eviction needs: everything still goes.
+    _assert_clean(sim)
