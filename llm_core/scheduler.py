@@ -235,9 +235,10 @@ class Scheduler:
             seq.num_computed = seq.mtp_done = 0
 
     def preempt(self, seq: Sequence) -> None:
-        """Free a running request's KV; it recomputes prompt + output later
-        (re-matching the prefix cache)."""
-        self._release_kv(seq, insert=False)
+        """Free a running request's KV; it resumes later by re-matching the
+        prefix cache, where its computed prefix now is (evictable like any
+        other, and demoted to the tiers if evicted)."""
+        self._release_kv(seq, insert=True)
         seq.num_computed = seq.num_drafts = seq.mtp_done = 0
         self.running.remove(seq)
         seq.is_running = False

@@ -244,3 +244,26 @@ def test_lru_heaps_stay_bounded_by_the_tree_under_repeated_hits() -> None:
     assert len(cache._swa_heap) <= 2 * cache.num_nodes + 1024
     # Compaction dropped nothing eviction needs: everything still goes.
     _assert_clean(sim)
+
+
+def test_a_preempted_request_resumes_from_its_cached_prefix() -> None:
+    sim = _sim()
+    scheduler = sim.scheduler
+    from llm_core.scheduler import Sequence
+
+    seq = Sequence(0, _tokens(70, 30), 8, sim.allocator.new_view())
+    scheduler.add(seq)
+    while seq.num_computed < 30:
+        scheduler.advance(scheduler.schedule())
+    seq.output.extend(_tokens(71, 12))  # twelve more tokens, computed in the next step
+    scheduler.advance(scheduler.schedule())
+    assert seq.num_computed == 42
+    scheduler.preempt(seq)
+    assert seq.num_computed == 0 and scheduler.waiting[0] is seq
+    chunks = scheduler.schedule()
+    # Back from the cache: what was computed, up to the last page before the
+    # newest token (which must run to give the next logits), is not recomputed;
+    # the prompt's own checkpoint alone would give 28.
+    assert chunks[0].start == 40
+    scheduler.finish(seq, "abort")
+    _assert_clean(sim)
