@@ -98,6 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
         compile=args.device.startswith("cuda") if args.compile is None else args.compile,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         speculative_tokens=args.speculative_tokens,
+        schedule_policy=args.schedule_policy,
         **_kv_tier_options(args),
     )
     app = create_app(model, metrics)
@@ -262,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-tokens", type=int,
                        help="MTP speculative decoding: draft tokens verified per step (default: one per MTP layer "
                             "the checkpoint has; 0: off)")
+    serve.add_argument("--schedule-policy", default="compute-aware", choices=["compute-aware", "fcfs", "lpm"],
+                       help="admission order: fewest tokens left to compute after the cache hit, with aging "
+                            "(default); arrival order; or longest cached prefix first")
     serve.add_argument("--kv-host-gib", type=float,
                        help="host-memory KV tier under the device pools (default: 0, or 1 with --kv-disk-dir)")
     serve.add_argument("--kv-disk-gib", type=float, help="disk KV tier budget (default: 8 with --kv-disk-dir)")

@@ -71,6 +71,9 @@ class EngineConfig:
     kv_host_bytes: int = 0
     kv_disk_bytes: int = 0
     kv_disk_dir: str | None = None
+    # Admission order and preemption victims: "compute-aware" (fewest tokens
+    # left to compute after the cache hit, with aging), "fcfs" or "lpm".
+    schedule_policy: str = "compute-aware"
 
     def __post_init__(self) -> None:
         if self.swa_mode not in ("hybrid", "full"):
@@ -250,7 +253,8 @@ class Engine:
         self.cache = self._build_cache(dtype) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator,
-            SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size),
+            SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size,
+                            config.schedule_policy),
             self.cache,
         )
         self.attention_fn = resolve_attention(config.attention, device)

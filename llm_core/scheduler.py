@@ -10,11 +10,14 @@ No torch here: the engine turns the schedule into a forward batch.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from llm_core.kv_pool import KVAllocator, SequenceView
 from llm_core.prefix_cache import CacheLock, RadixCache
+from llm_core.schedule_policy import POLICIES, Running, Waiting, make_policy
 
 
 @dataclass
@@ -39,6 +42,9 @@ class Sequence:
     prefetched: bool = False
     loading_keys: tuple[bytes, ...] = ()  # the tier entries it waits for
     is_running: bool = False  # in Scheduler.running (a flag: O(1) where the list would be O(B))
+    arrival: float | None = None  # the scheduler's clock when it was added
+    # (step, tokens) of its last cached-length estimate: peeks are reused for a few steps.
+    peeked: tuple[int, int] | None = None
 
     def tokens(self, end: int) -> list[int]:
         return self.token_slice(0, end)
@@ -92,22 +98,35 @@ class SchedulerConfig:
     max_running_requests: int = 64
     max_num_batched_tokens: int = 4096
     chunked_prefill_size: int = 1024
+    policy: str = "compute-aware"  # see schedule_policy.py
 
     def __post_init__(self) -> None:
         if min(self.max_running_requests, self.max_num_batched_tokens, self.chunked_prefill_size) < 1:
             raise ValueError("scheduler limits must be positive")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown schedule policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+
+
+# Steps a waiting request's cached-length estimate is reused before it is peeked again.
+PEEK_EVERY = 8
 
 
 class Scheduler:
-    def __init__(self, allocator: KVAllocator, config: SchedulerConfig, cache: RadixCache | None = None) -> None:
+    def __init__(self, allocator: KVAllocator, config: SchedulerConfig, cache: RadixCache | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.allocator = allocator
         self.config = config
         self.cache = cache
+        self.policy = make_policy(config.policy)
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._steps = 0
 
     def add(self, seq: Sequence) -> None:
+        if seq.arrival is None:
+            seq.arrival = self.clock()
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -123,7 +142,7 @@ class Scheduler:
             if not seq.is_running:
                 continue  # preempted below to make room for an earlier one
             drafts = min(seq.num_drafts, budget - 1)
-            if budget < 1 or not self._grow_or_preempt(seq, seq.num_computed + 1 + drafts):
+            if budget < 1 or not self._grow_or_preempt(seq, seq.num_computed + 1 + drafts, chunks):
                 continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, 1, drafts))
             budget -= 1 + drafts
@@ -133,19 +152,19 @@ class Scheduler:
             if chunk := self._prefill_chunk(seq, budget):
                 chunks.append(chunk)
                 budget -= chunk.length
-        index = 0
-        while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_running_requests:
-            seq = self.waiting[index]
+        self._steps += 1
+        for seq, info in self._admission_order() if self.waiting else ():
+            if budget < 1 or len(self.running) >= self.config.max_running_requests:
+                break
             chunk = self._prefill_chunk(seq, budget)
             if chunk is None:
                 # Not admitted: it must not pin the cached prefix it matched, or
                 # the running requests could not evict those pages to grow.
                 self._unpin(seq)
-                if seq.loading:
-                    index += 1  # its prefix is on its way from disk: the next one may run
-                    continue
-                break
-            del self.waiting[index]
+                if seq.loading or not self.policy.reserves(info):
+                    continue  # skipped, not waited on: the next one may fit
+                break  # it has waited long enough: nothing is admitted past it
+            self.waiting.remove(seq)
             self.running.append(seq)
             seq.is_running = True
             chunks.append(chunk)
@@ -153,12 +172,42 @@ class Scheduler:
         if not chunks and self.loading():
             return chunks  # nothing to run until a disk read finishes
         if not chunks and len(self.running) > 1:
-            # Every running request is stuck on memory: free the newest and retry.
-            self.preempt(self.running[-1])
+            # Every running request is stuck on memory: free one (by policy) and retry.
+            self.preempt(self._victim())
             return self.schedule()
         if not chunks and self.has_unfinished():
             raise RequestTooLarge((self.running or list(self.waiting))[0])
         return chunks
+
+    def _admission_order(self) -> list[tuple[Sequence, Waiting]]:
+        """Waiting requests in the order the policy tries them."""
+        now = self.clock()
+        infos = {seq.request_id: (seq, self._waiting(seq, now)) for seq in self.waiting}
+        return [infos[rid] for rid in self.policy.order([info for _, info in infos.values()])]
+
+    def _waiting(self, seq: Sequence, now: float) -> Waiting:
+        cached = self._cached_length(seq) if self.policy.needs_cached_lengths else 0
+        arrival = now if seq.arrival is None else seq.arrival
+        return Waiting(seq.request_id, arrival, now - arrival, seq.num_tokens - max(cached, seq.num_computed), cached)
+
+    def _cached_length(self, seq: Sequence) -> int:
+        """Tokens of its prefix some tier holds (a side-effect-free peek,
+        reused for PEEK_EVERY steps)."""
+        if self.cache is None:
+            return 0
+        if seq.peeked is None or self._steps - seq.peeked[0] >= PEEK_EVERY:
+            keys = self.cache.page_keys(seq.tokens(seq.num_tokens))
+            cached = self.cache.peek(keys, max_pages=(seq.num_tokens - 1) // self.cache.page_size).disk
+            seq.peeked = (self._steps, cached)
+        return seq.peeked[1]
+
+    def _victim(self, scheduled: Collection[int] = ()) -> Sequence:
+        """The running request to preempt, by policy, among those without a
+        chunk in this step yet (a scheduled chunk's KV must stay)."""
+        candidates = [s for s in self.running if s.request_id not in scheduled]
+        rid = self.policy.victim([Running(s.request_id, 0.0 if s.arrival is None else s.arrival,
+                                          s.num_tokens - s.num_computed) for s in candidates])
+        return next(s for s in candidates if s.request_id == rid)
 
     def loading(self) -> bool:
         """Whether a waiting request waits for its prefix to come from disk."""
@@ -220,9 +269,10 @@ class Scheduler:
         self.cache.evict_swa(swa_needed - self.allocator.swa.free_pages)
         return self.allocator.can_grow(view, new_len)
 
-    def _grow_or_preempt(self, seq: Sequence, new_len: int) -> bool:
+    def _grow_or_preempt(self, seq: Sequence, new_len: int, chunks: list[ScheduledChunk]) -> bool:
+        scheduled = {c.seq.request_id for c in chunks}
         while not self._has_room(seq.view, new_len):
-            victim = self.running[-1]
+            victim = self._victim(scheduled)
             self.preempt(victim)
             if victim is seq:
                 return False

@@ -1,0 +1,138 @@
+"""Which waiting request the scheduler admits first, and which running one it
+preempts: the policy, apart from the mechanism (``scheduler.py``: admission
+on both pools, chunking, budgets, preemption, cache locks).
+
+* ``fcfs``: arrival order; a request that does not fit stops admission
+  (head-of-line blocking, the classic behaviour), the newest running request
+  is preempted first.
+* ``compute-aware``: fewest tokens left to compute first (its prompt minus
+  what the prefix cache and its tiers hold, from a side-effect-free
+  ``peek``), minus an aging credit of ``aging_tokens_per_s`` per second
+  waited. A request that does not fit is skipped, not waited on, until it has
+  waited ``starvation_s``: then nothing is admitted past it until it fits (a
+  reservation). So no request waits longer than ``starvation_s`` plus the
+  time for running requests to free what it needs.
+* ``lpm``: longest cached prefix first (SGLang's default), with the same
+  skipping and reservation.
+
+Pure logic: no torch, no pools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["POLICIES", "ComputeAware", "Fcfs", "LongestPrefixMatch", "SchedulePolicy", "Waiting", "make_policy"]
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A waiting request as a policy sees it."""
+
+    request_id: int
+    arrival: float  # seconds, the scheduler's clock
+    waited_s: float
+    tokens_left: int  # to compute before its next token, after its cached prefix
+    cached: int  # tokens of its prefix the cache (any tier) holds
+
+
+@dataclass(frozen=True)
+class Running:
+    request_id: int
+    arrival: float
+    tokens_left: int  # still to compute before its next token (1 while decoding)
+
+
+class SchedulePolicy(Protocol):
+    name: str
+    needs_cached_lengths: bool  # whether ``order`` reads ``Waiting.cached``/``tokens_left`` from the cache
+
+    def order(self, waiting: Seq[Waiting]) -> list[int]:
+        """Request ids in the order admission tries them."""
+        ...
+
+    def reserves(self, request: Waiting) -> bool:
+        """Whether a request that does not fit stops admission (nothing passes it)."""
+        ...
+
+    def victim(self, running: Seq[Running]) -> int:
+        """The request id to preempt when memory runs out."""
+        ...
+
+
+def _newest(running: Seq[Running]) -> int:
+    return max(running, key=lambda r: (r.arrival, r.request_id)).request_id
+
+
+@dataclass(frozen=True)
+class Fcfs:
+    name: str = "fcfs"
+    needs_cached_lengths: bool = False
+
+    def order(self, waiting: Seq[Waiting]) -> list[int]:
+        return [w.request_id for w in sorted(waiting, key=lambda w: (w.arrival, w.request_id))]
+
+    def reserves(self, request: Waiting) -> bool:
+        return True
+
+    def victim(self, running: Seq[Running]) -> int:
+        return _newest(running)
+
+
+@dataclass(frozen=True)
+class ComputeAware:
+    """Priority key = tokens left to compute - ``aging_tokens_per_s`` x seconds waited."""
+
+    aging_tokens_per_s: float = 2048.0
+    starvation_s: float = 30.0
+    name: str = "compute-aware"
+    needs_cached_lengths: bool = True
+
+    def __post_init__(self) -> None:
+        if self.aging_tokens_per_s < 0 or self.starvation_s <= 0:
+            raise ValueError(f"bad compute-aware parameters: {self}")
+
+    def key(self, w: Waiting) -> float:
+        return w.tokens_left - self.aging_tokens_per_s * w.waited_s
+
+    def order(self, waiting: Seq[Waiting]) -> list[int]:
+        return [w.request_id for w in sorted(waiting, key=lambda w: (self.key(w), w.arrival, w.request_id))]
+
+    def reserves(self, request: Waiting) -> bool:
+        return request.waited_s >= self.starvation_s
+
+    def victim(self, running: Seq[Running]) -> int:
+        # The most work still ahead (a long prefill), newest first among equals:
+        # its computed prefix stays cached, so little is lost.
+        return max(running, key=lambda r: (r.tokens_left, r.arrival, r.request_id)).request_id
+
+
+@dataclass(frozen=True)
+class LongestPrefixMatch:
+    starvation_s: float = 30.0
+    name: str = "lpm"
+    needs_cached_lengths: bool = True
+
+    def order(self, waiting: Seq[Waiting]) -> list[int]:
+        return [w.request_id for w in sorted(waiting, key=lambda w: (-w.cached, w.arrival, w.request_id))]
+
+    def reserves(self, request: Waiting) -> bool:
+        return request.waited_s >= self.starvation_s
+
+    def victim(self, running: Seq[Running]) -> int:
+        return _newest(running)
+
+
+POLICIES = ("compute-aware", "fcfs", "lpm")
+
+
+def make_policy(name: str) -> SchedulePolicy:
+    if name == "fcfs":
+        return Fcfs()
+    if name == "compute-aware":
+        return ComputeAware()
+    if name == "lpm":
+        return LongestPrefixMatch()
+    raise ValueError(f"unknown schedule policy {name!r}; choose from {', '.join(POLICIES)}")

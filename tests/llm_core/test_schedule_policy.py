@@ -1,0 +1,125 @@
+"""Schedule policies: their order, the aging bound, no head-of-line blocking,
+preemption victims; outputs identical whatever the order of service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llm_core import LLM, SamplingParams
+from llm_core.kv_pool import FullKVPool, KVAllocator, SWAKVPool
+from llm_core.prefix_cache import RadixCache
+from llm_core.schedule_policy import ComputeAware, Fcfs, LongestPrefixMatch, Running, Waiting, make_policy
+from llm_core.scheduler import Scheduler, SchedulerConfig, Sequence
+
+
+def _w(rid: int, arrival: float, waited: float, left: int, cached: int = 0) -> Waiting:
+    return Waiting(rid, arrival, waited, left, cached)
+
+
+def test_each_policy_orders_as_documented() -> None:
+    waiting = [_w(1, 0.0, 10.0, 5000, 0), _w(2, 5.0, 5.0, 300, 4000), _w(3, 9.0, 1.0, 40, 100)]
+    assert Fcfs().order(waiting) == [1, 2, 3]
+    assert LongestPrefixMatch().order(waiting) == [2, 3, 1]
+    assert ComputeAware(aging_tokens_per_s=0.0).order(waiting) == [3, 2, 1]
+    # Aging: 10 s waited at 1000 tokens/s outweighs 5000 tokens left.
+    assert ComputeAware(aging_tokens_per_s=1000.0).order(waiting)[0] == 1
+    running = [Running(1, 0.0, 1), Running(2, 3.0, 900), Running(3, 5.0, 1)]
+    assert Fcfs().victim(running) == 3  # the newest
+    assert ComputeAware().victim(running) == 2  # the most work still ahead
+    with pytest.raises(ValueError, match="unknown schedule policy"):
+        make_policy("sjf")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _scheduler(policy: str, full_tokens: int = 256, max_running: int = 8, clock: _Clock | None = None) -> Scheduler:
+    allocator = KVAllocator(FullKVPool(full_tokens // 4, 4), SWAKVPool(4096, 1), 9)
+    return Scheduler(allocator, SchedulerConfig(max_running, 4096, 4096, policy), RadixCache(allocator),
+                     clock=clock or _Clock())
+
+
+def _seq(rid: int, n: int, scheduler: Scheduler) -> Sequence:
+    return Sequence(rid, [1000 + rid * 7919 % 997 + i for i in range(n)], 1, scheduler.allocator.new_view())
+
+
+@pytest.mark.parametrize("policy", ["compute-aware", "lpm"])
+def test_a_request_that_does_not_fit_is_skipped_not_waited_on(policy: str) -> None:
+    scheduler = _scheduler(policy)
+    holder = _seq(0, 150, scheduler)
+    scheduler.add(holder)
+    scheduler.advance(scheduler.schedule())  # 150 of 256 tokens held by a running request ...
+    holder.output.append(7)  # ... now decoding
+    big, small = _seq(1, 200, scheduler), _seq(2, 20, scheduler)
+    scheduler.add(big)
+    scheduler.add(small)
+    chunks = scheduler.schedule()
+    assert [c.seq.request_id for c in chunks] == [0, 2]
+    assert big.cache_lock is None  # it holds nothing while it waits
+    fcfs = _scheduler("fcfs")
+    other = _seq(0, 150, fcfs)
+    fcfs.add(other)
+    fcfs.advance(fcfs.schedule())
+    other.output.append(7)
+    fcfs.add(_seq(1, 200, fcfs))
+    fcfs.add(_seq(2, 20, fcfs))
+    # Head-of-line blocking: the small one waits behind the big one.
+    assert [c.seq.request_id for c in fcfs.schedule()] == [0]
+
+
+def test_a_long_request_waits_at_most_the_aging_bound_under_a_stream_of_short_ones() -> None:
+    clock = _Clock()
+    scheduler = _scheduler("compute-aware", full_tokens=4096, max_running=1, clock=clock)
+    policy = scheduler.policy
+    assert isinstance(policy, ComputeAware)
+    long_tokens, short_tokens = 2000, 10
+    scheduler.add(_seq(0, long_tokens, scheduler))
+    admitted_at = None
+    for step in range(1, 200):
+        clock.now = float(step)
+        scheduler.add(_seq(step, short_tokens, scheduler))  # a new short request every second
+        for chunk in scheduler.schedule():
+            scheduler.advance([chunk])
+            if chunk.seq.request_id == 0:
+                admitted_at = clock.now
+            scheduler.finish(chunk.seq, "length")
+        if admitted_at is not None:
+            break
+    # The key of the long request falls below a fresh short one's after (long - short) / rate seconds.
+    bound = (long_tokens - short_tokens) / policy.aging_tokens_per_s + 1
+    assert admitted_at is not None and admitted_at <= bound
+
+
+def test_a_starved_request_gets_a_reservation() -> None:
+    clock = _Clock()
+    scheduler = _scheduler("compute-aware", clock=clock)
+    holder = _seq(0, 150, scheduler)
+    scheduler.add(holder)
+    scheduler.advance(scheduler.schedule())
+    holder.output.append(7)
+    big = _seq(1, 200, scheduler)
+    scheduler.add(big)
+    clock.now = ComputeAware().starvation_s + 1  # it has waited past the bound
+    scheduler.add(_seq(2, 20, scheduler))
+    assert [c.seq.request_id for c in scheduler.schedule()] == [0]  # nothing passes it now
+    scheduler.finish(holder, "length")
+    assert [c.seq.request_id for c in scheduler.schedule()] == [1, 2]  # it first, then what still fits
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "compute-aware", "lpm"])
+def test_outputs_do_not_depend_on_the_policy(tiny_checkpoint: Path, policy: str) -> None:
+    shared = list(range(20, 52))
+    prompts = [shared + list(range(60 + i, 64 + 3 * i)) for i in range(5)] + [list(range(5, 45))]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(tiny_checkpoint, enable_prefix_caching=False).generate(prompts, params)]
+    llm = LLM(tiny_checkpoint, kv_budget_bytes=512 << 10, page_size=4, chunked_prefill_size=8, max_running_requests=4,
+              schedule_policy=policy)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.stats()["preemptions"] > 0
