@@ -114,7 +114,7 @@ def _check_out_sizes(total: int, outs: Sequence[torch.Tensor]) -> None:
         raise ValueError(f"outs hold {wanted} bytes but the entry has {total}")
 
 
-def _copy_into(blob: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+def copy_into(blob: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
     """Copy the flat uint8 ``blob`` into ``outs`` in order (sizes already checked)."""
     offset = 0
     for out in outs:
@@ -262,7 +262,7 @@ class HostKVPool:
         _check_out_sizes(entry.blob.numel(), outs)
         if not self._verify(key, entry):
             return False
-        _copy_into(entry.blob, outs)
+        copy_into(entry.blob, outs)
         return True
 
     def get_bytes(self, key: bytes) -> torch.Tensor | None:
@@ -566,7 +566,7 @@ class DiskKVStore:
             return False
         payload, _ = found
         _check_out_sizes(payload.nbytes, outs)
-        _copy_into(torch.from_numpy(payload), outs)
+        copy_into(torch.from_numpy(payload), outs)
         return True
 
     def _read(self, key: bytes) -> tuple[np.ndarray, int] | None:

@@ -300,10 +300,6 @@ class KVTiers:
         self.touch(address + FULL)
         self.touch(address + SWA)
 
-    def load_full(self, address: bytes, page: int) -> bool:
-        """Copy the page's full KV into device ``page``, from the nearest tier."""
-        return self.load_full_run([address], [page]) == 1
-
     def load_full_run(self, addresses: Sequence[bytes], pages: Sequence[int]) -> int:
         """Copy consecutive pages' full KV into device ``pages`` (a run from one
         tier in one transfer); how many, from the first, were restored. The

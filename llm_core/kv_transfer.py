@@ -28,7 +28,7 @@ from types import ModuleType
 import torch
 import xxhash
 
-from llm_core.kv_store import DiskKVStore, HostKVPool
+from llm_core.kv_store import DiskKVStore, HostKVPool, copy_into
 from llm_core.kv_tiers import Tier
 from llm_core.paged_attention import KVCacheTensors
 
@@ -212,9 +212,6 @@ class EngineTierIO:
             self.writer.remove(key)
 
     # ------------------------------------------------------------ loading
-    def load_full(self, tier: Tier, key: bytes, page: int) -> bool:
-        return self.load_full_many(tier, [key], [page]) == 1
-
     def load_full_many(self, tier: Tier, keys: Sequence[bytes], pages: Sequence[int]) -> int:
         """Restore full pages, in order, up to the first that fails; how many did."""
         start = time.perf_counter()
@@ -237,7 +234,7 @@ class EngineTierIO:
                                   self.kv.page_size)
             return
         for blob, page in zip(blobs, pages):
-            _copy_blob(blob.to(self.kv.device, non_blocking=True), self._page_rows(page))
+            copy_into(blob, self._page_rows(page))
 
     def load_swa(self, tier: Tier, key: bytes, slots: Sequence[int]) -> bool:
         return self._timed(lambda: self._load_swa(tier, key, slots))
@@ -245,16 +242,16 @@ class EngineTierIO:
     def _load_swa(self, tier: Tier, key: bytes, slots: Sequence[int]) -> bool:
         """The last ``len(slots)`` positions of an entry of ``stored`` positions."""
         blob, stored = self._blob(tier, key)
-        if blob is None or stored < len(slots):
+        row_bytes = [t[0].numel() * t.element_size() for t in self.swa_tensors]
+        if blob is None or stored < len(slots) or blob.numel() != stored * sum(row_bytes):
             return False
         index = torch.tensor(list(slots), dtype=torch.long, device=self.kv.device)
         offset, n = 0, len(slots)
-        for t in self.swa_tensors:
-            row = t[0].numel() * t.element_size()
+        for t, row in zip(self.swa_tensors, row_bytes):
             rows = blob[offset + (stored - n) * row : offset + stored * row]
             t.index_copy_(0, index, rows.view(t.dtype).view(n, *t.shape[1:]).to(t.device))
             offset += stored * row
-        return offset == blob.numel()
+        return True
 
     def _blob(self, tier: Tier, key: bytes) -> tuple[torch.Tensor | None, int]:
         """A verified entry's bytes and positions, from ``tier``."""
@@ -278,6 +275,9 @@ class EngineTierIO:
     def prefetched(self) -> list[tuple[bytes, bool]]:
         if self.reader is None:
             return []
+        # What the previous poll did not adopt (evicted meanwhile, or in host
+        # already) is not kept: only this call's reads wait for adoption.
+        self._fetched = {}
         out = []
         for key, blob, tokens in self.reader.take():
             if blob is not None:
@@ -311,14 +311,6 @@ class EngineTierIO:
             self.reader.close()
         if self.writer is not None:
             self.writer.close()
-
-
-def _copy_blob(blob: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
-    offset = 0
-    for out in outs:
-        n = out.numel() * out.element_size()
-        out.copy_(blob[offset : offset + n].view(out.dtype).view(out.shape))
-        offset += n
 
 
 if __name__ == "__main__":  # `python -m llm_core.kv_transfer`: build ahead of the first restore

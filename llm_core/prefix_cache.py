@@ -235,15 +235,11 @@ class RadixCache:
         if tiers is None:
             return []
         keys = [page.address + FULL for page in match.restore if page.address + FULL not in tiers.host]
-        ps, nodes = self.page_size, match.nodes
-        start = self.window_start(match.length)
-        for j in range(start // ps, match.length // ps):
-            need = (j + 1) * ps - max(start, j * ps)
-            node = nodes[j] if j < len(nodes) else None
-            if node is not None and node.swa is not None and len(node.swa) >= need:
-                continue
-            key = (node.address if node is not None else match.restore[j - len(nodes)].address) + SWA
-            if tiers.host.tokens(key) < need:
+        # Device nodes, then the pages still in a tier: both carry their address.
+        for page, need in self._window_nodes([*match.nodes, *match.restore], match.length):  # type: ignore[list-item]
+            swa = page.swa if isinstance(page, RadixNode) else None
+            key = page.address + SWA
+            if (swa is None or len(swa) < need) and tiers.host.tokens(key) < need:
                 keys.append(key)
         return keys
 
@@ -302,9 +298,7 @@ class RadixCache:
 
     def _window_needs(self, nodes: Sequence[RadixNode], match: PrefixMatch) -> list[tuple[RadixNode | None, int]]:
         """(node or None for a page still in a tier, SWA tokens needed) of the match's window."""
-        padded: list[RadixNode | None] = [*nodes, *([None] * len(match.restore))]
-        ps, start = self.page_size, self.window_start(match.length)
-        return [(padded[j], (j + 1) * ps - max(start, j * ps)) for j in range(start // ps, match.length // ps)]
+        return self._window_nodes([*nodes, *([None] * len(match.restore))], match.length)  # type: ignore[list-item]
 
     def _needs_swa(self, nodes: Sequence[RadixNode], match: PrefixMatch) -> bool:
         return any(n is None or n.swa is None or len(n.swa) < need for n, need in self._window_needs(nodes, match))
