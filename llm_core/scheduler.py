@@ -38,9 +38,8 @@ class Sequence:
     # Its cached prefix is being read from disk into host memory: it waits
     # (others are admitted past it) and matches again once that is done. One
     # such round per request: what is still on disk then is read in place.
-    loading: bool = False
-    prefetched: bool = False
     loading_keys: tuple[bytes, ...] = ()  # the tier entries it waits for
+    prefetched: bool = False
     is_running: bool = False  # in Scheduler.running (a flag: O(1) where the list would be O(B))
     arrival: float | None = None  # the scheduler's clock when it was added
     # (step, tokens) of its last cached-length estimate: peeks are reused for a few steps.
@@ -48,6 +47,10 @@ class Sequence:
 
     def tokens(self, end: int) -> list[int]:
         return self.token_slice(0, end)
+
+    @property
+    def loading(self) -> bool:
+        return bool(self.loading_keys)
 
     @property
     def num_tokens(self) -> int:
@@ -229,18 +232,17 @@ class Scheduler:
         assert self.cache is not None
         tiers = self.cache.tiers
         if seq.loading:  # a disk read is on its way: check it without matching again
-            seq.loading = any(key in tiers.loading for key in seq.loading_keys)  # type: ignore[union-attr]
-            if seq.loading:
+            if any(key in tiers.loading for key in seq.loading_keys):  # type: ignore[union-attr]
                 return
+            seq.loading_keys = ()
         keys = self.cache.page_keys(seq.tokens(seq.num_tokens))
         while True:
             # At least one token must run to produce the next logits.
             match = self.cache.match(keys, max_pages=(seq.num_tokens - 1) // self.cache.page_size)
             if tiers is not None and not seq.prefetched:
                 disk = self.cache.disk_keys(match)
-                seq.loading = seq.prefetched = tiers.prefetch(disk)
-                if seq.loading:
-                    seq.loading_keys = tuple(disk)
+                if tiers.prefetch(disk):
+                    seq.prefetched, seq.loading_keys = True, tuple(disk)
                     return
             lock = self.cache.attach(seq.view, match)
             if lock is not None:
