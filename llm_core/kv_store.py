@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import xxhash
 
-__all__ = ["MAX_KEY_BYTES", "DiskEntry", "DiskKVStore", "HostKVPool"]
+__all__ = ["MAX_KEY_BYTES", "READ_STATUS", "DiskEntry", "DiskKVStore", "HostKVPool"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ _SUFFIX = ".kv"
 # Leading dot: never mistaken for an entry, and skipped by the scan's suffix test.
 _TMP_PREFIX = ".tmp-"
 _MAX_U64 = (1 << 64) - 1
+# What a native reader (csrc/kv_page_copy.cpp) reports per file, by code.
+READ_STATUS = ("ok", "missing file", "unreadable file", "truncated file", "garbled header", "checksum mismatch")
 
 ByteData: TypeAlias = bytes | bytearray | memoryview | torch.Tensor | np.ndarray
 
@@ -157,6 +159,7 @@ class _HostEntry:
     checksum: int
     tokens: int
     array: np.ndarray  # the blob's bytes as numpy sees them: hashing it costs no conversion
+    address: int  # where the bytes start, for native copies that take addresses
 
 
 class HostKVPool:
@@ -177,6 +180,7 @@ class HostKVPool:
         self._reserved = 0  # bytes of puts between their capacity check and commit
         self._lock = threading.Lock()
         self._warn = _WarnOnce("HostKVPool")
+        self._held: list[list[_HostEntry]] = []  # entries a native restore is reading
         self.checksum_failures = 0
 
     @property
@@ -225,7 +229,7 @@ class HostKVPool:
             # Hash the host copy, not the source: the checksum must vouch for
             # exactly the bytes that get_into will hand back.
             array = blob.numpy()
-            entry = _HostEntry(blob, _checksum(array), tokens, array)
+            entry = _HostEntry(blob, _checksum(array), tokens, array, blob.data_ptr())
         except BaseException:
             with self._lock:
                 self._reserved -= size
@@ -273,6 +277,53 @@ class HostKVPool:
             return None
         return entry.blob
 
+    @property
+    def pinned(self) -> bool:
+        """Whether blobs live in pinned memory (a CUDA host)."""
+        return self._pin
+
+    def stored(self, keys: Sequence[bytes]) -> list[tuple[int, int, int]]:
+        """(address, size, checksum) of each of ``keys`` up to the first
+        missing, unverified: for a native restore that checks each checksum
+        in the same pass as its copy (and calls ``report_corrupt`` on the
+        first that fails). The entries stay readable until ``release_stored``:
+        a remove meanwhile drops them from the pool, never frees their bytes."""
+        entries = self._entries
+        got = list(itertools.takewhile(lambda e: e is not None, (entries.get(key) for key in keys)))
+        with self._lock:
+            self._held.append(got)
+        return [(e.address, e.blob.numel(), e.checksum) for e in got]
+
+    def release_stored(self) -> None:
+        """The bytes of the last ``stored`` call are no longer read."""
+        with self._lock:
+            self._held.pop()
+
+    def report_corrupt(self, key: bytes, address: int) -> None:
+        """A restore found the entry (at ``address``, from ``stored``) failing its checksum."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.address == address:
+            self._drop_corrupt(key, entry)
+
+    def put_verified(self, key: bytes, blob: torch.Tensor, checksum: int, tokens: int) -> None:
+        """Adopt ``blob`` (flat uint8, CPU, never written again by the caller)
+        as the entry, its ``checksum`` already verified against the bytes: a
+        disk read lands in host memory without a second copy or hash."""
+        _check_key(key)
+        _check_tokens(tokens)
+        if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.device.type != "cpu" or not blob.is_contiguous():
+            raise ValueError("a flat contiguous uint8 CPU tensor is adopted")
+        size = blob.numel()
+        if size > self._capacity:
+            raise ValueError(f"entry of {size} bytes exceeds the pool capacity of {self._capacity} bytes")
+        self._reserve(key, size)
+        entry = _HostEntry(blob, checksum, tokens, blob.numpy(), blob.data_ptr())
+        with self._lock:
+            self._reserved -= size
+            old = self._entries.pop(key, None)
+            self._used += size - (old.blob.numel() if old is not None else 0)
+            self._entries[key] = entry
+
     def remove(self, key: bytes) -> None:
         with self._lock:
             entry = self._entries.pop(key, None)
@@ -284,6 +335,10 @@ class HostKVPool:
         # should not stall the other thread.
         if _checksum(entry.array) == entry.checksum:
             return True
+        self._drop_corrupt(key, entry)
+        return False
+
+    def _drop_corrupt(self, key: bytes, entry: _HostEntry) -> None:
         with self._lock:
             self.checksum_failures += 1
             # Only drop the entry that failed, not a replacement put meanwhile.
@@ -291,7 +346,6 @@ class HostKVPool:
                 del self._entries[key]
                 self._used -= entry.blob.numel()
         self._warn("checksum mismatch", f"key {key.hex()}, entry dropped")
-        return False
 
 
 # --------------------------------------------------------------------------- disk
@@ -568,6 +622,31 @@ class DiskKVStore:
         _check_out_sizes(payload.nbytes, outs)
         copy_into(torch.from_numpy(payload), outs)
         return True
+
+    def file_specs(self, keys: Sequence[bytes]) -> list[tuple[str, int] | None]:
+        """(path, file size) of each of ``keys``, None where not indexed, for a
+        native reader that checks the files like ``get`` does (header layout,
+        key, size, checksum) and reports each failure with ``report_read``."""
+        specs: list[tuple[str, int] | None] = []
+        for key in keys:
+            entry = self._index.get(key)
+            specs.append((self._file(key), entry.file_bytes) if entry is not None else None)
+        return specs
+
+    @property
+    def header_format(self) -> tuple[bytes, int]:
+        """(magic, format version) a native reader expects in a file header."""
+        return _MAGIC, _FORMAT_VERSION
+
+    def report_read(self, key: bytes, status: int) -> None:
+        """A native read of ``key``'s file failed with ``status`` (an index
+        into READ_STATUS): counted, logged once, the file dropped."""
+        kind = READ_STATUS[status]
+        path = Path(self._file(key))
+        if kind == "missing file":
+            self._drop_missing(key, path)
+        else:
+            self._drop_bad(key, path, None, kind, f"key {key.hex()}")
 
     def _read(self, key: bytes) -> tuple[np.ndarray, int] | None:
         _check_key(key)

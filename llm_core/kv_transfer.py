@@ -16,6 +16,7 @@ failed load (the bookkeeping forgets it and the tokens are recomputed).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -25,8 +26,10 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 import xxhash
+import xxhash._xxhash
 
 from llm_core.kv_store import DiskKVStore, HostKVPool, copy_into
 from llm_core.kv_tiers import Tier
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 # Restore latency buckets (seconds), for the histogram in stats and /metrics.
 RESTORE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 _COPY_SOURCE = Path(__file__).parent / "csrc" / "kv_page_copy.cpp"
+_U64 = (1 << 64) - 1
 
 
 @cache
@@ -46,11 +50,19 @@ def page_copy_kernel() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
-        return cpp_extension.load(name="swallow_kv_page_copy", sources=[str(_COPY_SOURCE)],
-                                  extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        kernel = cpp_extension.load(name="swallow_kv_page_copy", sources=[str(_COPY_SOURCE)],
+                                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp", "-ldl"],
+                                    verbose=False)
+        kernel.bind_xxh3(xxhash._xxhash.__file__)  # the very hash kv_store.py computes
     except Exception as exc:  # noqa: BLE001 - any build failure leaves the torch path
         log.warning("the C++ KV page copy did not build (%s); using the torch path", exc)
         return None
+    return kernel
+
+
+def _as_int64(checksums: Sequence[int]) -> torch.Tensor:
+    """Unsigned 64-bit checksums as the int64 bits C++ reads."""
+    return torch.from_numpy(np.array(checksums, dtype=np.uint64).view(np.int64))
 
 
 def model_weights_digest(model: torch.nn.Module, samples: int = 4096) -> bytes:
@@ -133,14 +145,20 @@ class _DiskWriter:
                 self._failed = True
 
 
-class _DiskReader:
-    """One background thread reading (and verifying) disk entries for prefetches."""
+Fetched = tuple[torch.Tensor | None, int, int | None]  # (verified bytes or None, tokens, their checksum if known)
 
-    def __init__(self, read: Callable[[bytes], tuple[torch.Tensor | None, int]]) -> None:
+
+class _DiskReader:
+    """One background thread reading (and verifying) disk entries for
+    prefetches, every key queued meanwhile in one batch."""
+
+    BATCH = 256
+
+    def __init__(self, read: Callable[[list[bytes]], list[Fetched]]) -> None:
         self._read = read
         self._queue: queue.Queue[bytes | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._done: list[tuple[bytes, torch.Tensor | None, int]] = []
+        self._done: list[tuple[bytes, Fetched]] = []
         self.ready = threading.Event()  # set when a read finishes
         self._thread = threading.Thread(target=self._run, name="swallow-kv-disk-reader", daemon=True)
         self._thread.start()
@@ -148,7 +166,7 @@ class _DiskReader:
     def submit(self, key: bytes) -> None:
         self._queue.put(key)
 
-    def take(self) -> list[tuple[bytes, torch.Tensor | None, int]]:
+    def take(self) -> list[tuple[bytes, Fetched]]:
         with self._lock:
             done, self._done = self._done, []
             self.ready.clear()
@@ -160,14 +178,27 @@ class _DiskReader:
 
     def _run(self) -> None:
         while (key := self._queue.get()) is not None:
+            batch = [key]
+            closing = False
+            while len(batch) < self.BATCH:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                    break
+                batch.append(more)
             try:
-                blob, tokens = self._read(key)
+                got = self._read(batch)
             except Exception as exc:  # noqa: BLE001 - a read that fails is a miss, never a dead thread
                 log.warning("KV disk tier: a prefetch failed (%s)", exc)
-                blob, tokens = None, 0
+                got = [(None, 0, None)] * len(batch)
             with self._lock:
-                self._done.append((key, blob, tokens))
+                self._done.extend(zip(batch, got))
                 self.ready.set()
+            if closing:
+                return
 
 
 class EngineTierIO:
@@ -178,12 +209,13 @@ class EngineTierIO:
         self.host = host
         self.disk = disk
         self.writer = _DiskWriter(disk) if disk is not None else None
-        self.reader = _DiskReader(lambda key: self._blob("disk", key)) if disk is not None else None
-        self._fetched: dict[bytes, tuple[torch.Tensor, int]] = {}
+        self.reader = _DiskReader(self._read_disk) if disk is not None else None
+        self._fetched: dict[bytes, Fetched] = {}
         layers = [kv.layer(i) for i in kv.layer_ids]
         self.full_tensors = [t for is_swa, k, v in layers if not is_swa for t in (k, v)]
         self.swa_tensors = [t for is_swa, k, v in layers if is_swa for t in (k, v)]
         self.swa_tensors += [kv.hidden(j) for j in range(kv.draft_depths)]
+        self.full_page_bytes = kv.page_size * sum(t[0].numel() * t.element_size() for t in self.full_tensors)
         self.restore_seconds = [0] * (len(RESTORE_BUCKETS) + 1)  # histogram counts
         self.restore_seconds_sum = 0.0
 
@@ -215,26 +247,80 @@ class EngineTierIO:
     def load_full_many(self, tier: Tier, keys: Sequence[bytes], pages: Sequence[int]) -> int:
         """Restore full pages, in order, up to the first that fails; how many did."""
         start = time.perf_counter()
+        kernel = page_copy_kernel() if self.kv.device.type == "cpu" else None
+        if kernel is None:
+            loaded = self._load_full_torch(tier, keys, pages)
+        elif tier == "host":
+            loaded = self._load_full_host(kernel, keys, pages)
+        else:
+            loaded = self._load_full_disk(kernel, keys, pages)
+        self._observe(time.perf_counter() - start, len(keys))
+        return loaded
+
+    def _load_full_torch(self, tier: Tier, keys: Sequence[bytes], pages: Sequence[int]) -> int:
         fetch = self.host.get_bytes if tier == "host" else (lambda key: self._blob("disk", key)[0])
-        blobs = []
-        for key in keys:
+        loaded = 0
+        for key, page in zip(keys, pages):
             blob = fetch(key)
             if blob is None:
                 break
-            blobs.append(blob)
-        if blobs:
-            self._blobs_to_pages(blobs, pages[: len(blobs)])
-        self._observe(time.perf_counter() - start, len(keys))
-        return len(blobs)
-
-    def _blobs_to_pages(self, blobs: list[torch.Tensor], pages: Sequence[int]) -> None:
-        kernel = page_copy_kernel() if self.kv.device.type == "cpu" else None
-        if kernel is not None:
-            kernel.blobs_to_pages(blobs, self.full_tensors, torch.tensor(list(pages), dtype=torch.long),
-                                  self.kv.page_size)
-            return
-        for blob, page in zip(blobs, pages):
             copy_into(blob, self._page_rows(page))
+            loaded += 1
+        return loaded
+
+    def _load_full_host(self, kernel: ModuleType, keys: Sequence[bytes], pages: Sequence[int]) -> int:
+        """Host blobs into pages, each verified in the same pass as its copy."""
+        stored = self.host.stored(keys)
+        try:
+            sized = list(itertools.takewhile(lambda entry: entry[1] == self.full_page_bytes, stored))
+            if len(sized) < len(stored):  # not a page of this pool: as good as corrupt
+                self.host.report_corrupt(keys[len(sized)], stored[len(sized)][0])
+                stored = sized
+            if not stored:
+                return 0
+            table = torch.tensor([(address, checksum) for address, _, checksum in stored], dtype=torch.uint64)
+            table = table.view(torch.int64)
+            good = kernel.verified_blobs_to_pages(table[:, 0], table[:, 1], self.full_tensors,
+                                                  torch.tensor(pages[: len(stored)], dtype=torch.long),
+                                                  self.kv.page_size)
+        finally:
+            self.host.release_stored()
+        if good < len(stored):
+            self.host.report_corrupt(keys[good], stored[good][0])
+        return good
+
+    def _load_full_disk(self, kernel: ModuleType, keys: Sequence[bytes], pages: Sequence[int]) -> int:
+        """Disk files read straight into pages (verified there); an entry still
+        queued for writing comes from the queue's copy."""
+        assert self.disk is not None
+        done = 0
+        while done < len(keys):
+            queued = self.writer.queued(keys[done]) if self.writer is not None else None
+            if queued is not None:
+                kernel.blobs_to_pages([queued[0]], self.full_tensors, torch.tensor([pages[done]]), self.kv.page_size)
+                done += 1
+                continue
+            end = done
+            while end < len(keys) and (self.writer is None or self.writer.queued(keys[end]) is None):
+                end += 1
+            run = keys[done:end]
+            listed = self.disk.file_specs(run)
+            specs: list[tuple[str, int]] = list(itertools.takewhile(lambda spec: spec is not None, listed))  # type: ignore[arg-type]
+            if specs:
+                magic, version = self.disk.header_format
+                status = kernel.files_to_pages(
+                    [path for path, _ in specs], list(run[: len(specs)]),
+                    torch.tensor([size for _, size in specs], dtype=torch.long), magic, version,
+                    self.full_tensors, torch.tensor(pages[done : done + len(specs)], dtype=torch.long),
+                    self.kv.page_size).tolist()
+                good = next((i for i, code in enumerate(status) if code), len(status))
+                if good < len(status):
+                    self.disk.report_read(run[good], status[good])
+                    return done + good
+                done += len(specs)
+            if len(specs) < len(run):
+                return done  # not on disk after all
+        return done
 
     def load_swa(self, tier: Tier, key: bytes, slots: Sequence[int]) -> bool:
         return self._timed(lambda: self._load_swa(tier, key, slots))
@@ -272,6 +358,35 @@ class EngineTierIO:
         assert self.reader is not None
         self.reader.submit(key)
 
+    def _read_disk(self, keys: list[bytes]) -> list[Fetched]:
+        """Verified disk entries (the reader thread's work), natively where the
+        C++ reader is built: one pass per file, no copy after the read."""
+        kernel = page_copy_kernel()
+        out: dict[bytes, Fetched] = {}
+        on_disk = []
+        for key in keys:
+            queued = self.writer.queued(key) if self.writer is not None else None
+            if queued is not None:
+                out[key] = (queued[0], queued[1], None)
+            else:
+                on_disk.append(key)
+        if kernel is None or self.disk is None:
+            for key in on_disk:
+                blob, tokens = self._blob("disk", key)
+                out[key] = (blob, tokens, None)
+        else:
+            specs = {key: spec for key, spec in zip(on_disk, self.disk.file_specs(on_disk)) if spec is not None}
+            listed = list(specs)
+            magic, version = self.disk.header_format
+            got = kernel.read_files([specs[k][0] for k in listed], listed,
+                                    torch.tensor([specs[k][1] for k in listed], dtype=torch.long),
+                                    magic, version, self.host.pinned)
+            for key, (status, tokens, checksum, blob) in zip(listed, got):
+                if status:
+                    self.disk.report_read(key, status)
+                out[key] = (blob, tokens, checksum & _U64 if status == 0 else None)
+        return [out.get(key, (None, 0, None)) for key in keys]
+
     def prefetched(self) -> list[tuple[bytes, bool]]:
         if self.reader is None:
             return []
@@ -279,15 +394,19 @@ class EngineTierIO:
         # already) is not kept: only this call's reads wait for adoption.
         self._fetched = {}
         out = []
-        for key, blob, tokens in self.reader.take():
-            if blob is not None:
-                self._fetched[key] = (blob, tokens)
-            out.append((key, blob is not None))
+        for key, fetched in self.reader.take():
+            if fetched[0] is not None:
+                self._fetched[key] = fetched
+            out.append((key, fetched[0] is not None))
         return out
 
     def adopt_prefetched(self, key: bytes) -> None:
-        blob, tokens = self._fetched.pop(key)
-        self.host.put(key, [blob], tokens)
+        blob, tokens, checksum = self._fetched.pop(key)
+        assert blob is not None
+        if checksum is not None and blob.is_pinned() == self.host.pinned:
+            self.host.put_verified(key, blob, checksum, tokens)  # just read and verified: no second copy
+        else:
+            self.host.put(key, [blob], tokens)
 
     def wait_prefetch(self, timeout: float) -> None:
         """Block until a background read finishes (or ``timeout`` seconds)."""
