@@ -62,12 +62,20 @@ def page_address(parent: bytes, key_bytes: bytes) -> bytes:
 class TierIO(Protocol):
     """Moves the bytes (the mechanism): device slots <-> host <-> disk."""
 
-    def save_full(self, key: bytes, page: int) -> None: ...
-    def save_swa(self, key: bytes, slots: Sequence[int]) -> None: ...
+    # True: the copy runs on in the background and the page (slots) may not be
+    # reused until ``finished`` hands it back; False/None: done, reuse at once.
+    def save_full(self, key: bytes, page: int) -> bool | None: ...
+    def save_swa(self, key: bytes, slots: Sequence[int]) -> bool | None: ...
     def spill(self, key: bytes) -> None: ...
     def discard(self, tier: Tier, key: bytes) -> None: ...
     def load_full_many(self, tier: Tier, keys: Sequence[bytes], pages: Sequence[int]) -> int: ...
     def load_swa(self, tier: Tier, key: bytes, slots: Sequence[int]) -> bool: ...
+
+
+class AsyncDemotionIO(TierIO, Protocol):
+    """A ``TierIO`` whose saves copy in the background."""
+
+    def finished(self, wait: bool) -> list[tuple[bytes, list[int]]]: ...  # (FULL or SWA, ids) copied since the last call
 
 
 class PrefetchIO(TierIO, Protocol):
@@ -194,38 +202,47 @@ class KVTiers:
         self.disk.touch(key)
 
     # ----------------------------------------------------------- demotion
-    def demote_full(self, address: bytes, page: int) -> None:
-        """The device is about to free ``page``: keep its KV unless a tier already has it."""
+    def demote_full(self, address: bytes, page: int) -> bool:
+        """The device is about to free ``page``: keep its KV unless a tier
+        already has it. True when the copy is still running: the page comes
+        back through ``finished_demotions``, not to be reused before."""
         key = address + FULL
         if key in self.host or key in self.disk:
             self.touch(key)
-            return
-        self._store(key, self.config.full_page_bytes, 0, lambda: self.io.save_full(key, page))  # type: ignore[union-attr]
+            return False
+        return self._store(key, self.config.full_page_bytes, 0, lambda: self.io.save_full(key, page))  # type: ignore[union-attr]
 
-    def demote_swa(self, address: bytes, slots: Sequence[int]) -> None:
+    def demote_swa(self, address: bytes, slots: Sequence[int]) -> bool:
         """The device is about to free the SWA slots of a page's last
-        ``len(slots)`` positions (a checkpoint window's part on this page)."""
+        ``len(slots)`` positions (a checkpoint window's part on this page);
+        True as for ``demote_full``."""
         key = address + SWA
         if not slots:
-            return
+            return False
         if self.swa_tokens(address) >= len(slots):
             self.touch(key)
-            return
+            return False
         for tier in TIERS:  # a shorter window of this page: the longer one replaces it
             if self.index(tier).remove(key):
                 self._discard(tier, key)
         nbytes = len(slots) * self.config.swa_token_bytes
-        self._store(key, nbytes, len(slots), lambda: self.io.save_swa(key, list(slots)))  # type: ignore[union-attr]
+        return self._store(key, nbytes, len(slots), lambda: self.io.save_swa(key, list(slots)))  # type: ignore[union-attr]
 
-    def _store(self, key: bytes, nbytes: int, tokens: int, save: Callable[[], None]) -> None:
+    def _store(self, key: bytes, nbytes: int, tokens: int, save: Callable[[], bool | None]) -> bool:
         if nbytes > self.host.capacity_bytes:
-            return
+            return False
         self._make_room(self.host, nbytes)
-        if self.io is not None:
-            save()
+        running = bool(save()) if self.io is not None else False
         self.host.add(key, nbytes, tokens)
         self.from_disk.discard(key)
         self.stats.demoted_bytes += nbytes
+        return running
+
+    def finished_demotions(self, wait: bool = False) -> list[tuple[bytes, list[int]]]:
+        """(FULL or SWA, device ids) whose background copies finished since the
+        last call (``wait``: all, once they finish): free to reuse."""
+        finished = getattr(self.io, "finished", None)
+        return finished(wait) if finished is not None else []
 
     def _make_room(self, index: TierIndex, nbytes: int) -> None:
         while index.used_bytes + nbytes > index.capacity_bytes:

@@ -21,7 +21,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -32,7 +33,7 @@ import xxhash
 import xxhash._xxhash
 
 from llm_core.kv_store import DiskKVStore, HostKVPool, copy_into
-from llm_core.kv_tiers import Tier
+from llm_core.kv_tiers import FULL, SWA, Tier
 from llm_core.paged_attention import KVCacheTensors
 
 log = logging.getLogger(__name__)
@@ -201,15 +202,90 @@ class _DiskReader:
                 return
 
 
+@dataclass(eq=False)
+class _Demotion:
+    """One entry to copy from device rows into host memory."""
+
+    key: bytes
+    part: bytes  # FULL or SWA: which pool ``ids`` go back to
+    ids: list[int]  # the page or slots, not to be reused before the copy is done
+    tensors: list[torch.Tensor]
+    rows: list[int]  # of every tensor: a full page's rows, or the slots
+    tokens: int
+    ready: torch.cuda.Event | None  # on CUDA: the KV writes the copy must follow
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _Demoter:
+    """One background thread copying evicted device KV into host entries, in
+    order. The engine hands over a page (or slots) and goes on; the ids come
+    back through ``finished`` only once their bytes are in host memory, so a
+    slot is never reused while its copy reads it."""
+
+    def __init__(self, copy: Callable[[_Demotion], None]) -> None:
+        self._copy = copy
+        self._queue: queue.Queue[_Demotion | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self.pending: dict[bytes, _Demotion] = {}
+        self._finished: list[_Demotion] = []
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name="swallow-kv-demoter", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Demotion) -> None:
+        with self._lock:
+            self.pending[job.key] = job
+        self._queue.put(job)
+
+    def settle(self, keys: Iterable[bytes]) -> None:
+        """Wait until the copies of those of ``keys`` still pending are done."""
+        if self.pending:
+            for key in keys:
+                if (job := self.pending.get(key)) is not None:
+                    job.done.wait()
+
+    def finished(self, wait: bool) -> list[_Demotion]:
+        if wait:
+            self._queue.join()
+        with self._lock:
+            done, self._finished = self._finished, []
+        return done
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._copy(job)
+            except Exception as exc:  # noqa: BLE001 - a lost copy is a later miss, never a dead thread
+                # The entry is then missing in host memory: its load fails and it is recomputed.
+                if not self._failed:
+                    log.warning("KV host tier: a demotion failed (%s); such pages will be recomputed", exc)
+                    self._failed = True
+            finally:
+                with self._lock:
+                    if self.pending.get(job.key) is job:
+                        del self.pending[job.key]
+                    self._finished.append(job)
+                job.done.set()
+                self._queue.task_done()
+        self._queue.task_done()
+
+
 class EngineTierIO:
     """``TierIO`` over an engine's KV tensors, a host pool and a disk store."""
 
-    def __init__(self, kv: KVCacheTensors, host: HostKVPool, disk: DiskKVStore | None) -> None:
+    def __init__(self, kv: KVCacheTensors, host: HostKVPool, disk: DiskKVStore | None,
+                 async_demotion: bool = True) -> None:
         self.kv = kv
         self.host = host
         self.disk = disk
         self.writer = _DiskWriter(disk) if disk is not None else None
         self.reader = _DiskReader(self._read_disk) if disk is not None else None
+        self.demoter = _Demoter(self._demote) if async_demotion else None
+        self._copy_stream = torch.cuda.Stream(kv.device) if async_demotion and kv.device.type == "cuda" else None
         self._fetched: dict[bytes, Fetched] = {}
         layers = [kv.layer(i) for i in kv.layer_ids]
         self.full_tensors = [t for is_swa, k, v in layers if not is_swa for t in (k, v)]
@@ -224,14 +300,65 @@ class EngineTierIO:
         ps = self.kv.page_size
         return [t[page * ps : (page + 1) * ps] for t in self.full_tensors]
 
-    def save_full(self, key: bytes, page: int) -> None:
-        self.host.put(key, self._page_rows(page), self.kv.page_size)
+    def save_full(self, key: bytes, page: int) -> bool:
+        ps = self.kv.page_size
+        if self.demoter is None:
+            self.host.put(key, self._page_rows(page), ps)
+            return False
+        rows = list(range(page * ps, (page + 1) * ps))
+        self._submit(_Demotion(key, FULL, [page], self.full_tensors, rows, ps, self._ready()))
+        return True
 
-    def save_swa(self, key: bytes, slots: Sequence[int]) -> None:
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.kv.device)
-        self.host.put(key, [t.index_select(0, index) for t in self.swa_tensors], len(slots))
+    def save_swa(self, key: bytes, slots: Sequence[int]) -> bool:
+        if self.demoter is None:
+            index = torch.tensor(list(slots), dtype=torch.long, device=self.kv.device)
+            self.host.put(key, [t.index_select(0, index) for t in self.swa_tensors], len(slots))
+            return False
+        self._submit(_Demotion(key, SWA, list(slots), self.swa_tensors, list(slots), len(slots), self._ready()))
+        return True
+
+    def _ready(self) -> torch.cuda.Event | None:
+        """On CUDA, a mark after the KV writes queued so far: the copy stream
+        waits for it, so the copy reads the page as the forward left it."""
+        if self._copy_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _submit(self, job: _Demotion) -> None:
+        assert self.demoter is not None
+        self.demoter.settle([job.key])  # a replaced entry's copy lands first
+        self.demoter.submit(job)
+
+    def _demote(self, job: _Demotion) -> None:
+        """The demoter thread's work: the rows into a verified host entry."""
+        kernel = page_copy_kernel() if self.kv.device.type == "cpu" else None
+        if kernel is not None:
+            blob, checksum = kernel.gather_rows(job.tensors, job.rows, self.host.pinned)
+            self.host.put_verified(job.key, blob, checksum & _U64, job.tokens)
+            return
+        if self._copy_stream is not None and job.ready is not None:
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(job.ready)
+                index = torch.tensor(job.rows, dtype=torch.long, device=self.kv.device)
+                parts = [t.index_select(0, index).to("cpu") for t in job.tensors]
+        else:
+            index = torch.tensor(job.rows, dtype=torch.long, device=self.kv.device)
+            parts = [t.index_select(0, index) for t in job.tensors]
+        self.host.put(job.key, parts, job.tokens)
+
+    def finished(self, wait: bool) -> list[tuple[bytes, list[int]]]:
+        if self.demoter is None:
+            return []
+        return [(job.part, job.ids) for job in self.demoter.finished(wait)]
+
+    def _settle(self, keys: Iterable[bytes]) -> None:
+        if self.demoter is not None:
+            self.demoter.settle(keys)
 
     def spill(self, key: bytes) -> None:
+        self._settle([key])
         blob = self.host.get_bytes(key)
         if blob is None or self.writer is None:
             return  # a host entry that fails its checksum is not copied to disk
@@ -239,6 +366,7 @@ class EngineTierIO:
 
     def discard(self, tier: Tier, key: bytes) -> None:
         if tier == "host":
+            self._settle([key])
             self.host.remove(key)
         elif self.writer is not None:
             self.writer.remove(key)
@@ -247,6 +375,8 @@ class EngineTierIO:
     def load_full_many(self, tier: Tier, keys: Sequence[bytes], pages: Sequence[int]) -> int:
         """Restore full pages, in order, up to the first that fails; how many did."""
         start = time.perf_counter()
+        if tier == "host":
+            self._settle(keys)  # an entry demoted a moment ago may still be on its way
         kernel = page_copy_kernel() if self.kv.device.type == "cpu" else None
         if kernel is None:
             loaded = self._load_full_torch(tier, keys, pages)
@@ -342,6 +472,7 @@ class EngineTierIO:
     def _blob(self, tier: Tier, key: bytes) -> tuple[torch.Tensor | None, int]:
         """A verified entry's bytes and positions, from ``tier``."""
         if tier == "host":
+            self._settle([key])
             blob = self.host.get_bytes(key)
             return blob, self.host.tokens(key) if blob is not None else 0
         queued = self.writer.queued(key) if self.writer is not None else None
@@ -426,6 +557,8 @@ class EngineTierIO:
         self.restore_seconds_sum += seconds
 
     def close(self) -> None:
+        if self.demoter is not None:
+            self.demoter.close()
         if self.reader is not None:
             self.reader.close()
         if self.writer is not None:

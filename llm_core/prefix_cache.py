@@ -313,8 +313,7 @@ class RadixCache:
         self._lock(lock, [], [n for n, need in needs if n is not None and n.swa is not None and len(n.swa) >= need])
         swa_needed = sum(need for n, need in needs if n is None or n.swa is None or len(n.swa) < need)
         full, swa = self.allocator.full, self.allocator.swa
-        self.evict_full(len(match.restore) - full.free_pages)
-        self.evict_swa(swa_needed - swa.free_pages)
+        self.make_room(len(match.restore), swa_needed)
         if full.free_pages < len(match.restore) or swa.free_pages < swa_needed:
             return False
         parent = nodes[-1] if nodes else self.root
@@ -488,10 +487,31 @@ class RadixCache:
             self._remove(node)
         return freed
 
+    def make_room(self, full_pages: int, swa_slots: int) -> None:
+        """Evict until ``full_pages`` pages and ``swa_slots`` slots are free (or
+        nothing more can go). Pages whose demotion copy is still running come
+        back first; only when evictions alone fall short does this wait for
+        those copies."""
+        full, swa = self.allocator.full, self.allocator.swa
+        self.reclaim()
+        self.evict_full(full_pages - full.free_pages)
+        self.evict_swa(swa_slots - swa.free_pages)
+        if full.free_pages < full_pages or swa.free_pages < swa_slots:
+            self.reclaim(wait=True)
+
+    def reclaim(self, wait: bool = False) -> None:
+        """Return to the pools the pages and slots whose demotion to host
+        memory has finished (``wait``: all of them, once their copies finish)."""
+        if self.tiers is None:
+            return
+        for part, ids in self.tiers.finished_demotions(wait):
+            (self.allocator.full if part == FULL else self.allocator.swa).release(ids)
+
     def flush(self) -> None:
         """Drop everything no running request holds."""
         while self.evict_full(1 << 62) or self.evict_swa(1 << 62):
             pass
+        self.reclaim(wait=True)
 
     # ------------------------------------------------------------- helpers
     def _new_node(self, key: PageKey, parent: RadixNode, full_page: int, address: bytes | None = None) -> RadixNode:
@@ -507,9 +527,9 @@ class RadixCache:
         leaf goes too (never leave one), otherwise it may become evictable."""
         freed = 0
         while True:
-            if self.tiers is not None:
-                self.tiers.demote_full(node.address, node.full_page)
-            self.allocator.full.release([node.full_page])
+            # A page still being copied to host memory comes back through reclaim.
+            if self.tiers is None or not self.tiers.demote_full(node.address, node.full_page):
+                self.allocator.full.release([node.full_page])
             self._tombstone(node)
             node.alive = False
             parent = node.parent
@@ -528,9 +548,8 @@ class RadixCache:
         if node.swa is None:
             return 0
         node.swa_priority = 0
-        if self.tiers is not None:
-            self.tiers.demote_swa(node.address, node.swa)
-        self.allocator.swa.release(node.swa)
+        if self.tiers is None or not self.tiers.demote_swa(node.address, node.swa):
+            self.allocator.swa.release(node.swa)
         n = len(node.swa)
         node.swa = None
         self.swa_slots_cached -= n

@@ -138,6 +138,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         if self.cache is not None and self.cache.tiers is not None:
             self.cache.tiers.poll()
+            self.cache.reclaim()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         # Decodes first: they hold memory already and each costs one token.
@@ -266,9 +267,7 @@ class Scheduler:
             return True
         if self.cache is None:
             return False
-        full_needed, swa_needed = self.allocator.pages_needed(view, new_len)
-        self.cache.evict_full(full_needed - self.allocator.full.free_pages)
-        self.cache.evict_swa(swa_needed - self.allocator.swa.free_pages)
+        self.cache.make_room(*self.allocator.pages_needed(view, new_len))
         return self.allocator.can_grow(view, new_len)
 
     def _grow_or_preempt(self, seq: Sequence, new_len: int, chunks: list[ScheduledChunk]) -> bool:

@@ -227,6 +227,43 @@ void blobs_to_pages(const std::vector<at::Tensor>& blobs, const std::vector<at::
   });
 }
 
+// Rows ``rows`` of every tensor, tensor after tensor, into a new flat blob
+// (pinned when asked), and the blob's xxh3-64 (its bits as an int64): a
+// demotion's whole work, done without the GIL so the engine thread runs on
+// meanwhile. Runs of consecutive rows (a full page) are one memcpy each.
+std::tuple<at::Tensor, int64_t> gather_rows(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& row,
+                                            bool pin) {
+  const auto& h = hasher();
+  const size_t n = row.size();
+  int64_t total = 0;
+  std::vector<int64_t> row_bytes;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() >= 1, "contiguous CPU tensors");
+    row_bytes.push_back(t.stride(0) * t.element_size());
+    total += row_bytes.back() * static_cast<int64_t>(n);
+    for (auto r : row) TORCH_CHECK(0 <= r && r < t.size(0), "row ", r, " out of range");
+  }
+  auto blob = at::empty({total}, at::TensorOptions().dtype(at::kByte).pinned_memory(pin));
+  uint64_t checksum;
+  {
+    pybind11::gil_scoped_release no_gil;
+    uint8_t* out = static_cast<uint8_t*>(blob.data_ptr());
+    for (size_t j = 0; j < tensors.size(); ++j) {
+      const auto* base = static_cast<const uint8_t*>(tensors[j].data_ptr());
+      for (size_t i = 0; i < n;) {
+        size_t end = i + 1;
+        while (end < n && row[end] == row[end - 1] + 1) ++end;
+        const size_t bytes = (end - i) * row_bytes[j];
+        std::memcpy(out, base + row[i] * row_bytes[j], bytes);
+        out += bytes;
+        i = end;
+      }
+    }
+    checksum = h.oneshot(blob.data_ptr(), total);
+  }
+  return {blob, static_cast<int64_t>(checksum)};
+}
+
 // Host entries (flat blobs of one page each, at the addresses ``blobs``, the
 // caller keeping them alive) into pool pages, each checked against
 // checksums[i] (its bits as an int64) before it is copied. Addresses, not a
@@ -369,6 +406,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_xxh3", &bind_xxh3);
   m.def("xxh3_64", &xxh3_64);
   m.def("blobs_to_pages", &blobs_to_pages);
+  m.def("gather_rows", &gather_rows);
   m.def("verified_blobs_to_pages", &verified_blobs_to_pages);
   m.def("files_to_pages", &files_to_pages);
   m.def("read_files", &read_files);

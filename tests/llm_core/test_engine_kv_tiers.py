@@ -172,3 +172,19 @@ def test_preemption_under_a_tiny_device_pool_with_tiers_matches_recompute(hf_che
     assert llm.stats()["preemptions"] > 0
     assert llm.stats()["kv_tiers"]["restored_entries"]["host"] > 0
     assert_pools_full(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_demotions_copy_on_a_side_stream_and_restores_match(hf_checkpoint: Path, tmp_path: Path) -> None:
+    def tiered(**kwargs) -> LLM:
+        return LLM(hf_checkpoint, device="cuda", dtype="float32", page_size=4, chunked_prefill_size=16,
+                   kv_host_bytes=1 << 24, kv_disk_bytes=1 << 26, kv_disk_dir=str(tmp_path / "kv"), **kwargs)
+
+    reference = _conversation(LLM(hf_checkpoint, device="cuda", dtype="float32", enable_prefix_caching=False), 3, 1)
+    llm = tiered()
+    assert llm.engine.tier_io is not None and llm.engine.tier_io._copy_stream is not None
+    assert _conversation(llm, 3, 1, between=llm.engine.flush_cache) == reference
+    assert _by_tier(llm)["host"] > 0 and llm.stats()["kv_tiers"]["load_failures"] == 0
+    assert_pools_full(llm)
+    llm.engine.close()

@@ -5,6 +5,7 @@ file) and counted, the same hash as the Python ``xxhash`` module."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def _fill_and_save(io: EngineTierIO, pages: list[int]) -> list[torch.Tensor]:
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     for key, page in zip(_keys(), pages):
         io.save_full(key, page)
+    # The copies run in the background; the pages may be written again only once they are back.
+    assert sorted(ids[0] for _, ids in io.finished(wait=True)) == sorted(pages)
     return [torch.cat([rows.reshape(-1) for rows in io._page_rows(p)]) for p in pages]
 
 
@@ -137,3 +140,36 @@ def test_a_prefetch_reads_verified_entries_and_reports_bad_ones(io: EngineTierIO
         assert checksum == xxhash.xxh3_64_intdigest(expected[key].numpy())
     assert got[-1] == (None, 0, None)
     assert io.disk.checksum_failures == 1
+
+
+def _gate(io: EngineTierIO) -> threading.Event:
+    """Hold every demotion copy until the returned event is set."""
+    assert io.demoter is not None
+    gate, copy = threading.Event(), io.demoter._copy
+    io.demoter._copy = lambda job: (gate.wait(), copy(job))[1]  # type: ignore[method-assign]
+    return gate
+
+
+def test_a_demotion_returns_at_once_and_its_page_comes_back_only_after_the_copy(io: EngineTierIO) -> None:
+    for t in io.full_tensors:
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    expected = _pool_pages(io, [1])[0].clone()
+    gate = _gate(io)
+    assert io.save_full(_keys()[0], 1) is True  # the copy has not run: the gate is shut
+    assert io.finished(wait=False) == [] and _keys()[0] not in io.host
+    threading.Timer(0.2, gate.set).start()
+    # A restore of an entry still on its way waits for it, then reads it.
+    assert io.load_full_many("host", _keys()[:1], [2]) == 1
+    assert torch.equal(_pool_pages(io, [2])[0], expected)
+    assert io.finished(wait=True) == [(b"F", [1])]
+
+
+def test_an_entry_dropped_while_its_copy_runs_leaves_nothing_behind(io: EngineTierIO) -> None:
+    gate = _gate(io)
+    io.save_full(_keys()[0], 0)
+    io.save_swa(_keys()[1], [3, 4, 5])
+    threading.Timer(0.2, gate.set).start()
+    io.discard("host", _keys()[0])
+    io.discard("host", _keys()[1])
+    assert sorted(io.finished(wait=True)) == [(b"F", [0]), (b"S", [3, 4, 5])]
+    assert len(io.host) == 0 and io.host.used_bytes == 0
