@@ -71,6 +71,10 @@ class EngineConfig:
     kv_host_bytes: int = 0
     kv_disk_bytes: int = 0
     kv_disk_dir: str | None = None
+    # Restores from host memory copied layer by layer beside the forward
+    # (attention at layer i waits for layer i's pages only); None: on CUDA,
+    # where copies and compute do not share the same cores.
+    kv_restore_layerwise: bool | None = None
     # Admission order and preemption victims: "compute-aware" (fewest tokens
     # left to compute after the cache hit, with aging), "fcfs" or "lpm".
     schedule_policy: str = "compute-aware"
@@ -296,7 +300,7 @@ class Engine:
         # leaves room for file headers.
         disk = DiskKVStore(config.kv_disk_dir, 2 * config.kv_disk_bytes + (1 << 20), fingerprint) \
             if config.kv_disk_bytes else None
-        self.tier_io = EngineTierIO(self.kv, host, disk)
+        self.tier_io = EngineTierIO(self.kv, host, disk, layerwise_restore=config.kv_restore_layerwise)
         tiers = KVTiers(tier_config, self.tier_io)
         if disk is not None:
             tiers.adopt_disk_entries((key, entry.tokens) for key, entry in disk.entries())
@@ -389,6 +393,7 @@ class Engine:
         except RequestTooLarge as exc:
             return [self._fail(exc.seq, exc)]
         if not chunks:
+            self._finish_restores()
             if self.tier_io is not None and self.scheduler.loading():
                 self.tier_io.wait_prefetch(0.01)  # nothing else to run: wait for the disk, not spin
             return []
@@ -568,12 +573,23 @@ class Engine:
         """Logits of every chunk that samples, in chunk order; None if none does."""
         rows = _sample_rows(chunks)
         step = self.prepare_step(chunks)
-        if isinstance(step.backend, DecodeAttentionBackend):
-            # One row per chunk: the graphs and the compiled forward compute them all.
-            logits = self._decode_step(step)
-            return logits if len(rows) == logits.shape[0] else (logits[rows] if rows else None)
-        hidden = self._extend_hidden(self.model, step.input_ids, step.positions, step.backend, step.inputs_embeds)
-        return self.model.compute_logits(hidden[rows]) if rows else None
+        try:
+            if isinstance(step.backend, DecodeAttentionBackend):
+                self._finish_restores()
+                # One row per chunk: the graphs and the compiled forward compute them all.
+                logits = self._decode_step(step)
+                return logits if len(rows) == logits.shape[0] else (logits[rows] if rows else None)
+            if step.backend.before_layer is None:
+                self._finish_restores()
+            hidden = self._extend_hidden(self.model, step.input_ids, step.positions, step.backend,
+                                         step.inputs_embeds)
+            return self.model.compute_logits(hidden[rows]) if rows else None
+        finally:
+            self._finish_restores()  # nothing runs past a step with a restore still on its way
+
+    def _finish_restores(self) -> None:
+        if self.tier_io is not None:
+            self.tier_io.finish_restores()
 
     def _decode_step(self, step: StepInputs) -> torch.Tensor:
         if self.graphs is not None and step.input_ids.shape[0] <= self.graphs.max_batch:
@@ -616,7 +632,9 @@ class Engine:
         full_batch = PagedBatch.from_block_table(q_ranges, self.block_table.table, rows, torch.cat(full_write),
                                                  self.allocator.full.page_size, self.device)
         swa_batch = PagedBatch.build(q_ranges, swa_slots, swa_first, swa_write, self.device)
-        backend = PagedAttentionBackend(self.kv, full_batch, swa_batch, self.attention_fn)
+        # A compiled forward cannot wait layer by layer: restores finish before it.
+        gate = self.tier_io.restore_gate() if self.tier_io is not None and not self.config.compile else None
+        backend = PagedAttentionBackend(self.kv, full_batch, swa_batch, self.attention_fn, before_layer=gate)
         input_ids = self._with_drafts(chunks, to_device(torch.tensor(tokens, dtype=torch.long), self.device))
         inputs_embeds = self._embed_with_spans(chunks, input_ids) if self._spans else None
         return StepInputs(input_ids, full_batch.q_pos, backend, inputs_embeds)

@@ -180,7 +180,8 @@ class HostKVPool:
         self._reserved = 0  # bytes of puts between their capacity check and commit
         self._lock = threading.Lock()
         self._warn = _WarnOnce("HostKVPool")
-        self._held: list[list[_HostEntry]] = []  # entries a native restore is reading
+        self._held: dict[int, list[_HostEntry]] = {}  # entries native restores are reading
+        self._holds = itertools.count()
         self.checksum_failures = 0
 
     @property
@@ -282,22 +283,24 @@ class HostKVPool:
         """Whether blobs live in pinned memory (a CUDA host)."""
         return self._pin
 
-    def stored(self, keys: Sequence[bytes]) -> list[tuple[int, int, int]]:
+    def stored(self, keys: Sequence[bytes]) -> tuple[int, list[tuple[int, int, int]]]:
         """(address, size, checksum) of each of ``keys`` up to the first
-        missing, unverified: for a native restore that checks each checksum
-        in the same pass as its copy (and calls ``report_corrupt`` on the
-        first that fails). The entries stay readable until ``release_stored``:
-        a remove meanwhile drops them from the pool, never frees their bytes."""
+        missing, unverified, for a native restore that checks the checksums
+        itself (and calls ``report_corrupt`` on the first that fails); with
+        a hold on them. Until ``release_stored(hold)`` the bytes stay
+        readable: a remove meanwhile drops an entry from the pool, never
+        frees its bytes under a copy still reading them."""
         entries = self._entries
         got = list(itertools.takewhile(lambda e: e is not None, (entries.get(key) for key in keys)))
         with self._lock:
-            self._held.append(got)
-        return [(e.address, e.blob.numel(), e.checksum) for e in got]
+            hold = next(self._holds)
+            self._held[hold] = got
+        return hold, [(e.address, e.blob.numel(), e.checksum) for e in got]
 
-    def release_stored(self) -> None:
-        """The bytes of the last ``stored`` call are no longer read."""
+    def release_stored(self, hold: int) -> None:
+        """The bytes of that ``stored`` call are no longer read."""
         with self._lock:
-            self._held.pop()
+            del self._held[hold]
 
     def report_corrupt(self, key: bytes, address: int) -> None:
         """A restore found the entry (at ``address``, from ``stored``) failing its checksum."""

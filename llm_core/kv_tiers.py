@@ -206,6 +206,7 @@ class KVTiers:
         """The device is about to free ``page``: keep its KV unless a tier
         already has it. True when the copy is still running: the page comes
         back through ``finished_demotions``, not to be reused before."""
+        self._settle_restores()
         key = address + FULL
         if key in self.host or key in self.disk:
             self.touch(key)
@@ -216,6 +217,7 @@ class KVTiers:
         """The device is about to free the SWA slots of a page's last
         ``len(slots)`` positions (a checkpoint window's part on this page);
         True as for ``demote_full``."""
+        self._settle_restores()
         key = address + SWA
         if not slots:
             return False
@@ -237,6 +239,13 @@ class KVTiers:
         self.from_disk.discard(key)
         self.stats.demoted_bytes += nbytes
         return running
+
+    def _settle_restores(self) -> None:
+        """A page leaving the device (copied out, or reused at once) must not
+        still be the target of a restore running beside the forward."""
+        finish = getattr(self.io, "finish_restores", None)
+        if finish is not None:
+            finish()
 
     def finished_demotions(self, wait: bool = False) -> list[tuple[bytes, list[int]]]:
         """(FULL or SWA, device ids) whose background copies finished since the

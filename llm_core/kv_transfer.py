@@ -274,11 +274,141 @@ class _Demoter:
         self._queue.task_done()
 
 
+@dataclass(eq=False)
+class _LayerRestore:
+    """Host entries on their way into device pages, one layer at a time."""
+
+    hold: int  # the host pool's hold on the entries' bytes (CPU: released once copied)
+    blobs: torch.Tensor  # int64 addresses of the entries
+    pages: torch.Tensor  # int64: the page each entry goes to
+    layers_done: list[threading.Event]  # CPU: set as each layer's copy finishes
+    events: list[torch.cuda.Event] | None = None  # CUDA: recorded on the copy stream per layer
+    staging: torch.Tensor | None = None  # CUDA: the pinned segment-major copy the device reads
+    error: BaseException | None = None
+
+
+class _LayerwiseRestores:
+    """Full pages restored from host memory beside the forward: the entries
+    are verified first (a bad one must be known before anything reads the
+    pages), then copied layer after layer, and attention at layer i waits
+    only for layer i's pages (``wait_layer``), never for the whole restore.
+
+    On the CPU a thread copies (the GIL released); on CUDA the copies run
+    on a side stream from one pinned staging buffer per restore, and a
+    layer's wait is a stream event, not a host sync.
+    """
+
+    def __init__(self, kv: KVCacheTensors, host: HostKVPool, kernel: ModuleType) -> None:
+        self.kv = kv
+        self.host = host
+        self.kernel = kernel
+        full = [(i, k, v) for i, (is_swa, k, v) in ((i, kv.layer(i)) for i in kv.layer_ids) if not is_swa]
+        self.ordinal = {i: n for n, (i, _, _) in enumerate(full)}
+        self.layers = [[k, v] for _, k, v in full]
+        ps = kv.page_size
+        self.segments = [ps * t[0].numel() * t.element_size() for pair in self.layers for t in pair]
+        self.entry_bytes = sum(self.segments)
+        self.offsets = [sum(self.segments[: 2 * n]) for n in range(len(self.layers))]
+        self.pending: list[_LayerRestore] = []
+        self._stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
+        self._queue: queue.Queue[_LayerRestore | None] = queue.Queue()
+        self._thread = None
+        if self._stream is None:
+            self._thread = threading.Thread(target=self._run, name="swallow-kv-restorer", daemon=True)
+            self._thread.start()
+
+    def start(self, hold: int, table: torch.Tensor, pages: torch.Tensor) -> int:
+        """Verify the entries (``table``: address, checksum bits) and start
+        copying the good ones, up to the first bad one; how many are good.
+        Takes over ``hold``."""
+        n = table.shape[0]
+        if self._stream is not None:
+            staging = torch.empty(n * self.entry_bytes, dtype=torch.uint8, pin_memory=True)
+            good = self.kernel.verified_gather(table[:, 0], table[:, 1], self.segments, staging)
+            self.host.release_stored(hold)  # the staging buffer has the bytes now
+            if good:
+                self._start_cuda(staging, n, good, pages[:good])
+            return good
+        good = self.kernel.verify_blobs(table[:, 0], table[:, 1], self.entry_bytes)
+        if not good:
+            self.host.release_stored(hold)
+            return 0
+        job = _LayerRestore(hold, table[:good, 0].contiguous(), pages[:good].contiguous(),
+                            [threading.Event() for _ in self.layers])
+        self.pending.append(job)
+        self._queue.put(job)
+        return good
+
+    def _start_cuda(self, staging: torch.Tensor, n: int, good: int, pages: torch.Tensor) -> None:
+        assert self._stream is not None
+        ps = self.kv.page_size
+        events = [torch.cuda.Event() for _ in self.layers]
+        # The pages may have been read by earlier steps still on the compute stream.
+        self._stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        with torch.cuda.stream(self._stream):
+            index = pages.to(self.kv.device, non_blocking=True)
+            base = 0
+            for layer, event in zip(self.layers, events):
+                for t in layer:
+                    seg = ps * t[0].numel() * t.element_size()
+                    part = staging[base * n : base * n + good * seg].to(self.kv.device, non_blocking=True)
+                    rows = part.view(t.dtype).view(good, ps, *t.shape[1:])
+                    t.view(-1, ps, *t.shape[1:]).index_copy_(0, index, rows)
+                    base += seg
+                event.record(self._stream)
+        self.pending.append(_LayerRestore(-1, pages, pages, [], events, staging))
+
+    def wait_layer(self, layer_idx: int) -> None:
+        """Before attention at ``layer_idx`` reads the pools."""
+        n = self.ordinal.get(layer_idx)
+        if n is None:
+            return  # an SWA layer: its windows were restored before the step
+        for job in self.pending:
+            self._wait(job, n)
+
+    def _wait(self, job: _LayerRestore, n: int) -> None:
+        if job.events is not None:
+            torch.cuda.current_stream(self.kv.device).wait_event(job.events[n])
+            return
+        job.layers_done[n].wait()
+        if job.error is not None:
+            raise RuntimeError(f"a KV restore failed: {job.error}") from job.error
+
+    def finish(self) -> None:
+        """Every restore started is in (for the compute stream, on CUDA)."""
+        pending, self.pending = self.pending, []
+        for job in pending:
+            self._wait(job, len(self.layers) - 1)
+
+    def close(self) -> None:
+        self.finish()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                for offset, layer, done in zip(self.offsets, self.layers, job.layers_done):
+                    self.kernel.copy_layer(job.blobs, offset, layer, job.pages, self.kv.page_size)
+                    done.set()
+            except BaseException as exc:  # noqa: BLE001 - the waiting forward raises it
+                job.error = exc
+            finally:
+                for done in job.layers_done:
+                    done.set()
+                self.host.release_stored(job.hold)
+
+
 class EngineTierIO:
     """``TierIO`` over an engine's KV tensors, a host pool and a disk store."""
 
     def __init__(self, kv: KVCacheTensors, host: HostKVPool, disk: DiskKVStore | None,
-                 async_demotion: bool = True) -> None:
+                 async_demotion: bool = True, layerwise_restore: bool | None = None) -> None:
+        """``layerwise_restore``: restore from host memory beside the forward,
+        layer by layer (default: on CUDA, where copies and compute run on
+        different engines; on the CPU both share the cores, and one fused
+        verify-and-copy pass before the step costs less)."""
         self.kv = kv
         self.host = host
         self.disk = disk
@@ -294,6 +424,10 @@ class EngineTierIO:
         self.full_page_bytes = kv.page_size * sum(t[0].numel() * t.element_size() for t in self.full_tensors)
         self.restore_seconds = [0] * (len(RESTORE_BUCKETS) + 1)  # histogram counts
         self.restore_seconds_sum = 0.0
+        if layerwise_restore is None:
+            layerwise_restore = kv.device.type == "cuda"
+        kernel = page_copy_kernel() if layerwise_restore else None
+        self.layerwise = _LayerwiseRestores(kv, host, kernel) if kernel is not None else None
 
     # ------------------------------------------------------------- saving
     def _page_rows(self, page: int) -> list[torch.Tensor]:
@@ -348,6 +482,18 @@ class EngineTierIO:
             parts = [t.index_select(0, index) for t in job.tensors]
         self.host.put(job.key, parts, job.tokens)
 
+    def restore_gate(self) -> Callable[[int], None] | None:
+        """What attention calls before reading layer i's KV while restores
+        are on their way; None when none is."""
+        return self.layerwise.wait_layer if self.layerwise is not None and self.layerwise.pending else None
+
+    def finish_restores(self) -> None:
+        """Every restore started is in: before a step that cannot wait layer
+        by layer (a captured or compiled forward), after every step, and
+        before any page leaves the device."""
+        if self.layerwise is not None and self.layerwise.pending:
+            self.layerwise.finish()
+
     def finished(self, wait: bool) -> list[tuple[bytes, list[int]]]:
         if self.demoter is None:
             return []
@@ -378,7 +524,9 @@ class EngineTierIO:
         if tier == "host":
             self._settle(keys)  # an entry demoted a moment ago may still be on its way
         kernel = page_copy_kernel() if self.kv.device.type == "cpu" else None
-        if kernel is None:
+        if tier == "host" and self.layerwise is not None:
+            loaded = self._load_full_host(self.layerwise.kernel, keys, pages)
+        elif kernel is None:
             loaded = self._load_full_torch(tier, keys, pages)
         elif tier == "host":
             loaded = self._load_full_host(kernel, keys, pages)
@@ -399,8 +547,10 @@ class EngineTierIO:
         return loaded
 
     def _load_full_host(self, kernel: ModuleType, keys: Sequence[bytes], pages: Sequence[int]) -> int:
-        """Host blobs into pages, each verified in the same pass as its copy."""
-        stored = self.host.stored(keys)
+        """Host blobs into pages, each verified in the same pass as its copy
+        (or, layer by layer, verified first and copied beside the forward)."""
+        hold, stored = self.host.stored(keys)
+        handed_over = False
         try:
             sized = list(itertools.takewhile(lambda entry: entry[1] == self.full_page_bytes, stored))
             if len(sized) < len(stored):  # not a page of this pool: as good as corrupt
@@ -410,11 +560,16 @@ class EngineTierIO:
                 return 0
             table = torch.tensor([(address, checksum) for address, _, checksum in stored], dtype=torch.uint64)
             table = table.view(torch.int64)
-            good = kernel.verified_blobs_to_pages(table[:, 0], table[:, 1], self.full_tensors,
-                                                  torch.tensor(pages[: len(stored)], dtype=torch.long),
-                                                  self.kv.page_size)
+            index = torch.tensor(pages[: len(stored)], dtype=torch.long)
+            if self.layerwise is not None:
+                handed_over = True
+                good = self.layerwise.start(hold, table, index)
+            else:
+                good = kernel.verified_blobs_to_pages(table[:, 0], table[:, 1], self.full_tensors, index,
+                                                      self.kv.page_size)
         finally:
-            self.host.release_stored()
+            if not handed_over:
+                self.host.release_stored(hold)
         if good < len(stored):
             self.host.report_corrupt(keys[good], stored[good][0])
         return good
@@ -557,6 +712,8 @@ class EngineTierIO:
         self.restore_seconds_sum += seconds
 
     def close(self) -> None:
+        if self.layerwise is not None:
+            self.layerwise.close()
         if self.demoter is not None:
             self.demoter.close()
         if self.reader is not None:

@@ -49,7 +49,9 @@ class LLM:
         ``speculative_tokens`` (MTP drafts verified per step; default one per
         MTP layer of the checkpoint, 0 turns speculative decoding off) and
         ``kv_host_bytes``, ``kv_disk_bytes``, ``kv_disk_dir`` (KV tiers under
-        the device pools; ``close()`` writes host-only entries to disk)."""
+        the device pools; ``close()`` writes host-only entries to disk) and
+        ``kv_restore_layerwise`` (host restores beside the forward, layer by
+        layer; default on CUDA)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.model_dir = Path(model)

@@ -455,12 +455,16 @@ class PagedAttentionBackend:
     pools, then attends over each request's visible slots."""
 
     def __init__(
-        self, tensors: KVCacheTensors, full_batch: PagedBatch, swa_batch: PagedBatch, attention_fn: AttentionFn
+        self, tensors: KVCacheTensors, full_batch: PagedBatch, swa_batch: PagedBatch, attention_fn: AttentionFn,
+        before_layer: Callable[[int], None] | None = None,
     ) -> None:
         self.tensors = tensors
         self.full_batch = full_batch
         self.swa_batch = swa_batch
         self.attention_fn = attention_fn
+        # Restores from the host tier copy layer by layer beside the forward:
+        # a layer's attention first waits for that layer's pages.
+        self.before_layer = before_layer
 
     def attend(
         self,
@@ -474,6 +478,8 @@ class PagedAttentionBackend:
         is_swa, k_cache, v_cache = self.tensors.layer(layer_idx)
         batch = self.swa_batch if is_swa else self.full_batch
         store_kv(k_cache, v_cache, batch.write_slots, k, v)
+        if self.before_layer is not None:
+            self.before_layer(layer_idx)
         if torch.compiler.is_compiling():
             triton = self.attention_fn is not paged_attention_torch
             return traced_paged_attention(q, k_cache, v_cache, batch, spec.sliding_window, sinks, triton)

@@ -298,6 +298,78 @@ int64_t verified_blobs_to_pages(const at::Tensor& blobs, const at::Tensor& check
   return ok;
 }
 
+// How many host entries (at the addresses ``blobs``, ``nbytes`` each), from
+// the first, match their checksums: a restore that copies layer by layer
+// later has to know before the first layer is read.
+int64_t verify_blobs(const at::Tensor& blobs, const at::Tensor& checksums, int64_t nbytes) {
+  const size_t n = static_cast<size_t>(blobs.numel());
+  const auto src = as_longs(blobs, n, "blobs");
+  const auto expected = as_longs(checksums, n, "checksums");
+  const auto& h = hasher();
+  std::vector<uint8_t> good(n, 0);
+  {
+    pybind11::gil_scoped_release no_gil;
+    at::parallel_for(0, static_cast<int64_t>(n), 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i)
+        good[i] = h.oneshot(reinterpret_cast<const void*>(src[i]), nbytes) == static_cast<uint64_t>(expected[i]);
+    });
+  }
+  int64_t ok = 0;
+  while (ok < static_cast<int64_t>(n) && good[ok]) ++ok;
+  return ok;
+}
+
+// One layer's part of host entries into pool pages: bytes [offset, offset +
+// page bytes of ``pool``) of each entry go to page pages[i] of the layer's
+// tensors (``pool``: its K and V). The calling thread does it alone, with
+// the GIL released: it runs beside the forward that waits for this layer.
+void copy_layer(const at::Tensor& blobs, int64_t offset, const std::vector<at::Tensor>& pool, const at::Tensor& pages,
+                int64_t page_size) {
+  const auto seg = page_bytes(pool, page_size);
+  const size_t n = static_cast<size_t>(blobs.numel());
+  const auto src = as_longs(blobs, n, "blobs");
+  const auto page = as_longs(pages, n, "pages");
+  const auto dst = pool_bases(pool);
+  pybind11::gil_scoped_release no_gil;
+  for (size_t i = 0; i < n; ++i) copy_page(reinterpret_cast<const uint8_t*>(src[i]) + offset, dst, seg, page[i]);
+}
+
+// Host entries gathered into ``staging`` segment-major (segment j of every
+// entry, then segment j + 1, ...: one contiguous run per pool tensor, ready
+// for one host-to-device copy each), each entry checked against its checksum
+// in the same pass. Returns how many entries, from the first, were good.
+int64_t verified_gather(const at::Tensor& blobs, const at::Tensor& checksums, const std::vector<int64_t>& seg,
+                        at::Tensor staging) {
+  const size_t n = static_cast<size_t>(blobs.numel());
+  const auto src = as_longs(blobs, n, "blobs");
+  const auto expected = as_longs(checksums, n, "checksums");
+  int64_t total = 0;
+  for (auto b : seg) total += b;
+  TORCH_CHECK(staging.is_contiguous() && static_cast<int64_t>(staging.nbytes()) >= total * static_cast<int64_t>(n),
+              "staging holds every entry");
+  uint8_t* out = static_cast<uint8_t*>(staging.data_ptr());
+  const auto& h = hasher();
+  std::vector<uint8_t> good(n, 0);
+  {
+    pybind11::gil_scoped_release no_gil;
+    at::parallel_for(0, static_cast<int64_t>(n), 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        const auto* from = reinterpret_cast<const uint8_t*>(src[i]);
+        good[i] = h.oneshot(from, total) == static_cast<uint64_t>(expected[i]);
+        int64_t base = 0;
+        for (size_t j = 0; j < seg.size(); ++j) {
+          std::memcpy(out + base * static_cast<int64_t>(n) + i * seg[j], from, seg[j]);
+          from += seg[j];
+          base += seg[j];
+        }
+      }
+    });
+  }
+  int64_t ok = 0;
+  while (ok < static_cast<int64_t>(n) && good[ok]) ++ok;
+  return ok;
+}
+
 // Files of full-page entries straight into pool pages: each file's payload
 // is read into its page's rows, then hashed there. One status per file
 // (Status); a page whose status is not kOk holds anything.
@@ -408,6 +480,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blobs_to_pages", &blobs_to_pages);
   m.def("gather_rows", &gather_rows);
   m.def("verified_blobs_to_pages", &verified_blobs_to_pages);
+  m.def("verify_blobs", &verify_blobs);
+  m.def("copy_layer", &copy_layer);
+  m.def("verified_gather", &verified_gather);
   m.def("files_to_pages", &files_to_pages);
   m.def("read_files", &read_files);
   m.def("read_files_raw", &read_files_raw);

@@ -188,3 +188,23 @@ def test_on_cuda_demotions_copy_on_a_side_stream_and_restores_match(hf_checkpoin
     assert _by_tier(llm)["host"] > 0 and llm.stats()["kv_tiers"]["load_failures"] == 0
     assert_pools_full(llm)
     llm.engine.close()
+
+
+def test_restores_copied_layer_by_layer_beside_the_forward_match(
+    hf_checkpoint: Path, reference: list[list[int]]
+) -> None:
+    kv = LLM(hf_checkpoint, page_size=4, enable_prefix_caching=False).engine.kv
+    page_bytes = 4 * (kv.full_bytes_per_token + kv.swa_bytes_per_token)
+    llm = LLM(hf_checkpoint, page_size=4, chunked_prefill_size=16, kv_host_bytes=4096 * page_bytes,
+              kv_restore_layerwise=True)
+    io = llm.engine.tier_io
+    assert io is not None and io.layerwise is not None
+    waited: list[int] = []
+    wait_layer = io.layerwise.wait_layer
+    io.layerwise.wait_layer = lambda layer: (waited.append(layer), wait_layer(layer))[1]  # type: ignore[method-assign]
+    assert _conversation(llm, 3, 1, between=llm.engine.flush_cache) == reference
+    assert _by_tier(llm)["host"] >= 2 * 28 and llm.stats()["kv_tiers"]["load_failures"] == 0
+    # The restored turns' first steps waited at every layer, in order; nothing is left on its way.
+    layers = llm.engine.kv.layer_ids[: llm.engine.model.config.num_hidden_layers]
+    assert waited[: len(layers)] == layers and not io.layerwise.pending
+    assert_pools_full(llm)

@@ -19,14 +19,22 @@ from llm_core.kv_transfer import EngineTierIO, page_copy_kernel
 PAGES = 6
 
 
-@pytest.fixture
-def io(tiny_checkpoint: Path, tmp_path: Path) -> Iterator[EngineTierIO]:
+@pytest.fixture(params=[False, True], ids=["fused", "layerwise"])
+def io(tiny_checkpoint: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[EngineTierIO]:
+    """Restores verified and copied in one pass, or verified then copied layer by layer."""
     llm = LLM(tiny_checkpoint, page_size=4, kv_host_bytes=1 << 22, kv_disk_bytes=1 << 24,
-              kv_disk_dir=str(tmp_path / "kv"))
+              kv_disk_dir=str(tmp_path / "kv"), kv_restore_layerwise=request.param)
     tier_io = llm.engine.tier_io
     assert tier_io is not None and page_copy_kernel() is not None
     yield tier_io
     llm.close()
+
+
+def _load(io: EngineTierIO, tier: str, keys: list[bytes], pages: list[int]) -> int:
+    """A restore, and (layer by layer) the wait a step does for it."""
+    loaded = io.load_full_many(tier, keys, pages)  # type: ignore[arg-type]
+    io.finish_restores()
+    return loaded
 
 
 def _keys(n: int = PAGES) -> list[bytes]:
@@ -66,14 +74,14 @@ def test_host_restore_copies_what_was_saved_and_stops_at_a_corrupt_page(io: Engi
     saved = _fill_and_save(io, list(range(PAGES)))
     _clear(io)
     targets = [PAGES + i for i in range(PAGES)]
-    assert io.load_full_many("host", _keys(), targets) == PAGES
+    assert _load(io, "host", _keys(), targets) == PAGES
     assert all(torch.equal(a, b) for a, b in zip(_pool_pages(io, targets), saved))
     # Behind the pool's back: one byte of the fourth entry flips.
     blob = io.host.get_bytes(_keys()[3])
     assert blob is not None
     blob[5] ^= 0x10
     _clear(io)
-    assert io.load_full_many("host", _keys(), targets) == 3
+    assert _load(io, "host", _keys(), targets) == 3
     assert all(torch.equal(a, b) for a, b in zip(_pool_pages(io, targets[:3]), saved[:3]))
     assert io.host.checksum_failures == 1 and _keys()[3] not in io.host
 
@@ -81,7 +89,7 @@ def test_host_restore_copies_what_was_saved_and_stops_at_a_corrupt_page(io: Engi
 def test_host_restore_natively_and_by_torch_give_the_same_pool(io: EngineTierIO) -> None:
     _fill_and_save(io, list(range(PAGES)))
     _clear(io)
-    assert io.load_full_many("host", _keys(), list(range(PAGES))) == PAGES
+    assert _load(io, "host", _keys(), list(range(PAGES))) == PAGES
     native = [t.clone() for t in io.full_tensors]
     _clear(io)
     assert io._load_full_torch("host", _keys(), list(range(PAGES))) == PAGES
@@ -103,7 +111,7 @@ def test_disk_restore_reads_files_into_pages_and_catches_every_bad_file(io: Engi
     _to_disk(io)
     _clear(io)
     targets = [PAGES + i for i in range(PAGES)]
-    assert io.load_full_many("disk", _keys(), targets) == PAGES
+    assert _load(io, "disk", _keys(), targets) == PAGES
     assert all(torch.equal(a, b) for a, b in zip(_pool_pages(io, targets), saved))
     assert io.disk is not None
     path = io.disk.path(_keys()[2])
@@ -119,7 +127,7 @@ def test_disk_restore_reads_files_into_pages_and_catches_every_bad_file(io: Engi
     else:  # another entry's file under this key's name
         path.write_bytes(io.disk.path(_keys()[1]).read_bytes())
     _clear(io)
-    assert io.load_full_many("disk", _keys(), targets) == 2
+    assert _load(io, "disk", _keys(), targets) == 2
     failures = io.disk.missing if damage == "delete" else io.disk.checksum_failures
     assert failures == 1 and _keys()[2] not in io.disk and not path.exists()
     assert all(torch.equal(a, b) for a, b in zip(_pool_pages(io, targets[:2]), saved[:2]))
@@ -159,7 +167,7 @@ def test_a_demotion_returns_at_once_and_its_page_comes_back_only_after_the_copy(
     assert io.finished(wait=False) == [] and _keys()[0] not in io.host
     threading.Timer(0.2, gate.set).start()
     # A restore of an entry still on its way waits for it, then reads it.
-    assert io.load_full_many("host", _keys()[:1], [2]) == 1
+    assert _load(io, "host", _keys()[:1], [2]) == 1
     assert torch.equal(_pool_pages(io, [2])[0], expected)
     assert io.finished(wait=True) == [(b"F", [1])]
 
