@@ -184,6 +184,31 @@ std::vector<FileSpec> file_specs(const std::vector<std::string>& paths, const st
   return specs;
 }
 
+// Entry i (``nbytes`` at address src[i]) checked against expected[i], and
+// on a match handed to ``use(i, bytes)``, in parallel with the GIL released.
+// Returns how many entries, from the first, were good: the first bad one and
+// everything after it do not count (what ``use`` did with them is garbage).
+template <class Use>
+int64_t verified_prefix(const std::vector<int64_t>& src, const std::vector<int64_t>& expected, int64_t nbytes,
+                        Use use) {
+  const auto& h = hasher();
+  const size_t n = src.size();
+  std::vector<uint8_t> good(n, 0);
+  {
+    pybind11::gil_scoped_release no_gil;
+    at::parallel_for(0, static_cast<int64_t>(n), 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        const auto* from = reinterpret_cast<const uint8_t*>(src[i]);
+        good[i] = h.oneshot(from, nbytes) == static_cast<uint64_t>(expected[i]);
+        if (good[i]) use(i, from);
+      }
+    });
+  }
+  int64_t ok = 0;
+  while (ok < static_cast<int64_t>(n) && good[ok]) ++ok;
+  return ok;
+}
+
 }  // namespace
 
 // The xxhash library inside the shared object at ``path`` (the Python
@@ -277,25 +302,10 @@ int64_t verified_blobs_to_pages(const at::Tensor& blobs, const at::Tensor& check
   int64_t total = 0;
   for (auto s : seg) total += s;
   const size_t n = static_cast<size_t>(blobs.numel());
-  const auto src = as_longs(blobs, n, "blobs");
   const auto page = as_longs(pages, n, "pages");
-  const auto expected = as_longs(checksums, n, "checksums");
   const auto dst = pool_bases(pool);
-  const auto& h = hasher();
-  std::vector<uint8_t> good(n, 0);
-  {
-    pybind11::gil_scoped_release no_gil;
-    at::parallel_for(0, static_cast<int64_t>(n), 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) {
-        const auto* from = reinterpret_cast<const uint8_t*>(src[i]);
-        good[i] = h.oneshot(from, total) == static_cast<uint64_t>(expected[i]);
-        if (good[i]) copy_page(from, dst, seg, page[i]);
-      }
-    });
-  }
-  int64_t ok = 0;
-  while (ok < static_cast<int64_t>(n) && good[ok]) ++ok;
-  return ok;
+  return verified_prefix(as_longs(blobs, n, "blobs"), as_longs(checksums, n, "checksums"), total,
+                         [&](int64_t i, const uint8_t* from) { copy_page(from, dst, seg, page[i]); });
 }
 
 // How many host entries (at the addresses ``blobs``, ``nbytes`` each), from
@@ -303,20 +313,8 @@ int64_t verified_blobs_to_pages(const at::Tensor& blobs, const at::Tensor& check
 // later has to know before the first layer is read.
 int64_t verify_blobs(const at::Tensor& blobs, const at::Tensor& checksums, int64_t nbytes) {
   const size_t n = static_cast<size_t>(blobs.numel());
-  const auto src = as_longs(blobs, n, "blobs");
-  const auto expected = as_longs(checksums, n, "checksums");
-  const auto& h = hasher();
-  std::vector<uint8_t> good(n, 0);
-  {
-    pybind11::gil_scoped_release no_gil;
-    at::parallel_for(0, static_cast<int64_t>(n), 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i)
-        good[i] = h.oneshot(reinterpret_cast<const void*>(src[i]), nbytes) == static_cast<uint64_t>(expected[i]);
-    });
-  }
-  int64_t ok = 0;
-  while (ok < static_cast<int64_t>(n) && good[ok]) ++ok;
-  return ok;
+  return verified_prefix(as_longs(blobs, n, "blobs"), as_longs(checksums, n, "checksums"), nbytes,
+                         [](int64_t, const uint8_t*) {});
 }
 
 // One layer's part of host entries into pool pages: bytes [offset, offset +
@@ -341,33 +339,20 @@ void copy_layer(const at::Tensor& blobs, int64_t offset, const std::vector<at::T
 int64_t verified_gather(const at::Tensor& blobs, const at::Tensor& checksums, const std::vector<int64_t>& seg,
                         at::Tensor staging) {
   const size_t n = static_cast<size_t>(blobs.numel());
-  const auto src = as_longs(blobs, n, "blobs");
-  const auto expected = as_longs(checksums, n, "checksums");
   int64_t total = 0;
   for (auto b : seg) total += b;
   TORCH_CHECK(staging.is_contiguous() && static_cast<int64_t>(staging.nbytes()) >= total * static_cast<int64_t>(n),
               "staging holds every entry");
   uint8_t* out = static_cast<uint8_t*>(staging.data_ptr());
-  const auto& h = hasher();
-  std::vector<uint8_t> good(n, 0);
-  {
-    pybind11::gil_scoped_release no_gil;
-    at::parallel_for(0, static_cast<int64_t>(n), 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) {
-        const auto* from = reinterpret_cast<const uint8_t*>(src[i]);
-        good[i] = h.oneshot(from, total) == static_cast<uint64_t>(expected[i]);
-        int64_t base = 0;
-        for (size_t j = 0; j < seg.size(); ++j) {
-          std::memcpy(out + base * static_cast<int64_t>(n) + i * seg[j], from, seg[j]);
-          from += seg[j];
-          base += seg[j];
-        }
-      }
-    });
-  }
-  int64_t ok = 0;
-  while (ok < static_cast<int64_t>(n) && good[ok]) ++ok;
-  return ok;
+  return verified_prefix(as_longs(blobs, n, "blobs"), as_longs(checksums, n, "checksums"), total,
+                         [&](int64_t i, const uint8_t* from) {
+                           int64_t base = 0;
+                           for (auto b : seg) {
+                             std::memcpy(out + base * static_cast<int64_t>(n) + i * b, from, b);
+                             from += b;
+                             base += b;
+                           }
+                         });
 }
 
 // Files of full-page entries straight into pool pages: each file's payload
