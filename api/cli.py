@@ -99,6 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         speculative_tokens=args.speculative_tokens,
         schedule_policy=args.schedule_policy,
+        schedule_bucket_edges=_bucket_edges(args.schedule_buckets),
         **_kv_tier_options(args),
     )
     app = create_app(model, metrics)
@@ -217,6 +218,18 @@ def _bench_prefix_cache(args: argparse.Namespace) -> dict:
     return result
 
 
+def _bucket_edges(text: str | None) -> tuple[int, ...] | None:
+    """``--schedule-buckets``: None for the default, () for one bucket."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(float(part)) for part in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--schedule-buckets: comma-separated token counts, got {text!r}") from None
+
+
 def _kv_tier_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine options of the host and disk KV tiers: a disk directory alone
     turns both on with default budgets."""
@@ -266,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--schedule-policy", default="compute-aware", choices=["compute-aware", "fcfs", "lpm"],
                        help="admission order: fewest tokens left to compute after the cache hit, with aging "
                             "(default); arrival order; or longest cached prefix first")
+    serve.add_argument("--schedule-buckets",
+                       help="prompt-length bucket edges sharing each step's prefill budget, comma-separated tokens "
+                            "(default: 1/16 and 1/4 of the model's context, i.e. 64K,256K at 1M; 'none': one bucket)")
     serve.add_argument("--kv-host-gib", type=float,
                        help="host-memory KV tier under the device pools (default: 0, or 1 with --kv-disk-dir)")
     serve.add_argument("--kv-disk-gib", type=float, help="disk KV tier budget (default: 8 with --kv-disk-dir)")

@@ -22,23 +22,30 @@ INTER_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0
 ENCODER_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-class _RestoreLatency(Collector):
-    """The engine's histogram of KV tier restore times, as it last reported it."""
+class _ReportedHistogram(Collector):
+    """A histogram the engine keeps (per-bound counts and a sum, as its stats
+    last reported them), per value of one label."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, documentation: str, label: str | None = None) -> None:
+        self.name, self.documentation, self.label = name, documentation, label
         self.buckets: list[float] = []
-        self.counts: list[int] = []
-        self.total = 0.0
+        self.series: dict[str, tuple[list[int], float]] = {}  # label value -> (counts, sum)
+
+    def set(self, buckets: list[float], counts: list[int], total: float, label_value: str = "") -> None:
+        self.buckets = list(buckets)
+        self.series[label_value] = (list(counts), total)
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         if not self.buckets:
             return
-        cumulative, running = [], 0
-        for bound, count in zip([*map(str, self.buckets), "+Inf"], self.counts):
-            running += count
-            cumulative.append((bound, running))
-        yield HistogramMetricFamily("swallow_kv_restore_seconds", "Time to restore one KV entry from a tier",
-                                    buckets=cumulative, sum_value=self.total)
+        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label] if self.label else None)
+        for value, (counts, total) in self.series.items():
+            cumulative, running = [], 0
+            for bound, count in zip([*map(str, self.buckets), "+Inf"], counts):
+                running += count
+                cumulative.append((bound, running))
+            family.add_metric([value] if self.label else [], cumulative, total)
+        yield family
 
 
 class ServerMetrics:
@@ -97,8 +104,13 @@ class ServerMetrics:
             "swallow_kv_tier_checksum_failures", "Stored KV entries found corrupt, short or missing", registry=r)
         self.tier_load_failures = Gauge(
             "swallow_kv_tier_load_failures", "Restores that failed and were recomputed", registry=r)
-        self.restore_latency = _RestoreLatency()
-        r.register(self.restore_latency)
+        self.restore_latency = _ReportedHistogram("swallow_kv_restore_seconds", "Time to restore one KV entry from a tier")
+        self.bucket_queue_wait = _ReportedHistogram(
+            "swallow_queue_wait_seconds", "Arrival to first admission, by prompt-length bucket", "bucket")
+        self.bucket_ttft = _ReportedHistogram(
+            "swallow_bucket_ttft_seconds", "Arrival to first token in the engine, by prompt-length bucket", "bucket")
+        for collector in (self.restore_latency, self.bucket_queue_wait, self.bucket_ttft):
+            r.register(collector)
         self.encoder_batch = Histogram(
             "swallow_encoder_batch_size", "Items per encoder batch", ["encoder"],
             buckets=ENCODER_BATCH_BUCKETS, registry=r,
@@ -142,6 +154,8 @@ class ServerMetrics:
         tiers = stats.get("kv_tiers")
         if tiers:
             self._set_tiers(tiers)
+        if schedule := stats.get("schedule"):
+            self._set_schedule(schedule)
         self.set_queue_depth(stats.get("waiting_requests", 0), stats.get("running_requests", 0))
         self.preemptions.set(stats.get("preemptions", 0))
         spec = stats.get("speculative")
@@ -160,9 +174,14 @@ class ServerMetrics:
         self.tier_moved.labels(direction="spilled", tier="disk").set(tiers["spilled_bytes"])
         self.tier_checksum_failures.set(tiers["checksum_failures"])
         self.tier_load_failures.set(tiers["load_failures"])
-        latency = self.restore_latency
-        latency.buckets, latency.counts = tiers["restore_seconds_buckets"], tiers["restore_seconds_counts"]
-        latency.total = tiers["restore_seconds_sum"]
+        self.restore_latency.set(tiers["restore_seconds_buckets"], tiers["restore_seconds_counts"],
+                                 tiers["restore_seconds_sum"])
+
+    def _set_schedule(self, schedule: dict[str, Any]) -> None:
+        bounds = schedule["latency_buckets_s"]
+        for label, bucket in schedule["buckets"].items():
+            self.bucket_queue_wait.set(bounds, bucket["queue_wait"]["counts"], bucket["queue_wait"]["sum_s"], label)
+            self.bucket_ttft.set(bounds, bucket["ttft"]["counts"], bucket["ttft"]["sum_s"], label)
 
     def _set_pool(self, pool: str, stats: dict[str, Any]) -> None:
         capacity = stats.get("capacity_tokens", 0)

@@ -29,6 +29,7 @@ from llm_core.paged_attention import (
 )
 from llm_core.kv_store import DiskKVStore, HostKVPool
 from llm_core.kv_tiers import KVTiers, TierConfig, model_fingerprint
+from llm_core.schedule_policy import LengthBuckets
 from llm_core.kv_transfer import RESTORE_BUCKETS, EngineTierIO, model_weights_digest
 from llm_core.prefix_cache import RadixCache
 from llm_core.sampling import SamplingParams, SamplingPlan, SamplingRow, request_seed, sample_tokens, verify_drafts
@@ -78,6 +79,9 @@ class EngineConfig:
     # Admission order and preemption victims: "compute-aware" (fewest tokens
     # left to compute after the cache hit, with aging), "fcfs" or "lpm".
     schedule_policy: str = "compute-aware"
+    # Prompt-length bucket edges sharing each step's prefill budget; None:
+    # 64K and 256K of a 1M context, scaled to the model's context length.
+    schedule_bucket_edges: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.swa_mode not in ("hybrid", "full"):
@@ -258,7 +262,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator,
             SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size,
-                            config.schedule_policy),
+                            config.schedule_policy, self._bucket_edges(config, mc.max_position_embeddings)),
             self.cache,
         )
         self.attention_fn = resolve_attention(config.attention, device)
@@ -587,6 +591,12 @@ class Engine:
         finally:
             self._finish_restores()  # nothing runs past a step with a restore still on its way
 
+    @staticmethod
+    def _bucket_edges(config: EngineConfig, context_tokens: int) -> tuple[int, ...]:
+        if config.schedule_bucket_edges is not None:
+            return tuple(config.schedule_bucket_edges)
+        return LengthBuckets.for_context(context_tokens).edges
+
     def _finish_restores(self) -> None:
         if self.tier_io is not None:
             self.tier_io.finish_restores()
@@ -767,5 +777,6 @@ class Engine:
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "schedule": self.scheduler.latency_stats(),
             "speculative": self.spec_stats.as_dict(),
         }

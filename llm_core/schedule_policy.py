@@ -15,16 +15,24 @@ on both pools, chunking, budgets, preemption, cache locks).
 * ``lpm``: longest cached prefix first (SGLang's default), with the same
   skipping and reservation.
 
+Length buckets (``LengthBuckets``) group requests by prompt length (default
+edges 64K / 256K tokens under a 1M context, scaled by the model's context
+length): each step's prefill budget is shared between the buckets that have
+work, so long prefills keep moving in chunks while short requests are not
+queued behind them.
+
 Pure logic: no torch, no pools.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["POLICIES", "ComputeAware", "Fcfs", "LongestPrefixMatch", "SchedulePolicy", "Waiting", "make_policy"]
+__all__ = ["POLICIES", "ComputeAware", "Fcfs", "LengthBuckets", "LongestPrefixMatch", "SchedulePolicy", "Waiting",
+           "make_policy"]
 
 
 @dataclass(frozen=True)
@@ -136,3 +144,53 @@ def make_policy(name: str) -> SchedulePolicy:
     if name == "lpm":
         return LongestPrefixMatch()
     raise ValueError(f"unknown schedule policy {name!r}; choose from {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True)
+class LengthBuckets:
+    """Prompt-length buckets: ``edges`` (ascending) split lengths into
+    ``len(edges) + 1`` buckets, [0, e0), [e0, e1), ..., [e_last, inf)."""
+
+    edges: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(e < 1 for e in self.edges) or list(self.edges) != sorted(set(self.edges)):
+            raise ValueError(f"bucket edges must be positive and ascending, got {self.edges}")
+
+    @classmethod
+    def for_context(cls, context_tokens: int) -> LengthBuckets:
+        """The default edges, 64K and 256K of a 1M context, scaled to
+        ``context_tokens`` (the top bucket ends at the context length)."""
+        edges = tuple(sorted({max(1, context_tokens // 16), max(2, context_tokens // 4)}))
+        return cls(edges)
+
+    def __len__(self) -> int:
+        return len(self.edges) + 1
+
+    def of(self, prompt_tokens: int) -> int:
+        return bisect.bisect_right(self.edges, prompt_tokens)
+
+    @property
+    def labels(self) -> list[str]:
+        """Each bucket's range, e.g. ``"0-64K"``, ``"64K-256K"``, ``"256K+"``."""
+        bounds = [0, *self.edges]
+        return [f"{_short(lo)}-{_short(hi)}" for lo, hi in zip(bounds, self.edges)] + [f"{_short(bounds[-1])}+"]
+
+    def shares(self, demand: Seq[int], budget: int) -> list[int]:
+        """The budget split between buckets by water-filling: each bucket with
+        work gets an equal share, and what a bucket needs less than its share
+        goes to the others. ``demand[b]``: tokens bucket ``b`` could use."""
+        caps = [0] * len(demand)
+        active = sorted((d, b) for b, d in enumerate(demand) if d > 0)
+        left = budget
+        for i, (d, b) in enumerate(active):
+            caps[b] = min(d, left // (len(active) - i))
+            left -= caps[b]
+        return caps
+
+
+def _short(n: int) -> str:
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)

@@ -10,6 +10,7 @@ No torch here: the engine turns the schedule into a forward batch.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Collection
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 from llm_core.kv_pool import KVAllocator, SequenceView
 from llm_core.prefix_cache import CacheLock, RadixCache
-from llm_core.schedule_policy import POLICIES, Running, Waiting, make_policy
+from llm_core.schedule_policy import POLICIES, LengthBuckets, Running, Waiting, make_policy
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Sequence:
     arrival: float | None = None  # the scheduler's clock when it was added
     # (step, tokens) of its last cached-length estimate: peeks are reused for a few steps.
     peeked: tuple[int, int] | None = None
+    admitted: bool = False  # admitted at least once (its queue wait is counted)
+    answered: bool = False  # its first token is out (its TTFT is counted)
 
     def tokens(self, end: int) -> list[int]:
         return self.token_slice(0, end)
@@ -102,12 +105,37 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     chunked_prefill_size: int = 1024
     policy: str = "compute-aware"  # see schedule_policy.py
+    # Prompt-length bucket edges: each step's prefill budget is shared between
+    # the buckets with work (see LengthBuckets); () is one bucket.
+    bucket_edges: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if min(self.max_running_requests, self.max_num_batched_tokens, self.chunked_prefill_size) < 1:
             raise ValueError("scheduler limits must be positive")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        LengthBuckets(self.bucket_edges)  # validates
+
+
+# Upper bounds (seconds) of the queue-wait and TTFT histograms.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass
+class LatencyHistogram:
+    """Counts per LATENCY_BUCKETS bound (the last: above them all), and the sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.total_s += seconds
+
+    def as_dict(self) -> dict[str, object]:
+        n = sum(self.counts)
+        return {"count": n, "sum_s": self.total_s, "mean_s": self.total_s / n if n else 0.0,
+                "counts": list(self.counts)}
 
 
 # Steps a waiting request's cached-length estimate is reused before it is peeked again.
@@ -126,6 +154,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._steps = 0
+        self.buckets = LengthBuckets(config.bucket_edges)
+        self.queue_wait = [LatencyHistogram() for _ in range(len(self.buckets))]
+        self.ttft = [LatencyHistogram() for _ in range(len(self.buckets))]
 
     def add(self, seq: Sequence) -> None:
         if seq.arrival is None:
@@ -150,29 +181,8 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, 1, drafts))
             budget -= 1 + drafts
-        for seq in [s for s in self.running if not s.in_decode]:
-            if budget < 1:
-                break
-            if chunk := self._prefill_chunk(seq, budget):
-                chunks.append(chunk)
-                budget -= chunk.length
         self._steps += 1
-        for seq, info in self._admission_order() if self.waiting else ():
-            if budget < 1 or len(self.running) >= self.config.max_running_requests:
-                break
-            chunk = self._prefill_chunk(seq, budget)
-            if chunk is None:
-                # Not admitted: it must not pin the cached prefix it matched, or
-                # the running requests could not evict those pages to grow.
-                self._unpin(seq)
-                if seq.loading or not self.policy.reserves(info):
-                    continue  # skipped, not waited on: the next one may fit
-                break  # it has waited long enough: nothing is admitted past it
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            seq.is_running = True
-            chunks.append(chunk)
-            budget -= chunk.length
+        budget = self._prefills(budget, chunks)
         if not chunks and self.loading():
             return chunks  # nothing to run until a disk read finishes
         if not chunks and len(self.running) > 1:
@@ -182,6 +192,70 @@ class Scheduler:
         if not chunks and self.has_unfinished():
             raise RequestTooLarge((self.running or list(self.waiting))[0])
         return chunks
+
+    def _prefills(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """Chunks of running prefills, then admissions in policy order, under a
+        budget shared between length buckets; then whatever is left of it to
+        anyone still unscheduled. Returns the budget left."""
+        prefilling = [s for s in self.running if not s.in_decode]
+        order = self._admission_order() if self.waiting else []
+        if len(self.buckets) > 1:
+            demand = [0] * len(self.buckets)
+            chunk_max = self.config.chunked_prefill_size
+            for seq in prefilling:
+                demand[self._bucket(seq)] += min(seq.num_tokens - seq.num_computed, chunk_max)
+            for seq, info in order:
+                demand[self._bucket(seq)] += min(info.tokens_left, chunk_max)
+            left = self.buckets.shares(demand, budget)
+        else:
+            left = [budget]
+        scheduled: set[int] = set()
+        for shared in (True, False):
+            def room(seq: Sequence) -> int:
+                return min(left[self._bucket(seq)], budget) if shared else budget
+
+            for seq in prefilling:
+                if seq.request_id in scheduled or (n := room(seq)) < 1:
+                    continue
+                if chunk := self._prefill_chunk(seq, n):
+                    chunks.append(chunk)
+                    scheduled.add(seq.request_id)
+                    budget -= chunk.length
+                    left[self._bucket(seq)] -= chunk.length
+            reserved = False
+            for seq, info in order:
+                if budget < 1 or len(self.running) >= self.config.max_running_requests:
+                    break
+                if seq.is_running or (n := room(seq)) < 1:
+                    continue  # admitted already, or its bucket's share is spent (the second round may take it)
+                chunk = self._prefill_chunk(seq, n)
+                if chunk is None:
+                    # Not admitted: it must not pin the cached prefix it matched, or
+                    # the running requests could not evict those pages to grow.
+                    self._unpin(seq)
+                    if seq.loading or not self.policy.reserves(info):
+                        continue  # skipped, not waited on: the next one may fit
+                    reserved = True
+                    break  # it has waited long enough: nothing is admitted past it
+                self._admit(seq)
+                chunks.append(chunk)
+                scheduled.add(seq.request_id)
+                budget -= chunk.length
+                left[self._bucket(seq)] -= chunk.length
+            if reserved or budget < 1 or len(self.buckets) == 1:
+                break
+        return budget
+
+    def _bucket(self, seq: Sequence) -> int:
+        return self.buckets.of(len(seq.prompt))
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.is_running = True
+        if not seq.admitted and seq.arrival is not None:
+            seq.admitted = True
+            self.queue_wait[self._bucket(seq)].observe(self.clock() - seq.arrival)
 
     def _admission_order(self) -> list[tuple[Sequence, Waiting]]:
         """Waiting requests in the order the policy tries them."""
@@ -212,6 +286,20 @@ class Scheduler:
         rid = self.policy.victim([Running(s.request_id, 0.0 if s.arrival is None else s.arrival,
                                           s.num_tokens - s.num_computed) for s in candidates])
         return next(s for s in candidates if s.request_id == rid)
+
+    def latency_stats(self) -> dict[str, object]:
+        """Queue wait (arrival to first admission) and TTFT per length bucket."""
+        return {"policy": self.policy.name, "bucket_edges": list(self.buckets.edges),
+                "latency_buckets_s": list(LATENCY_BUCKETS),
+                "buckets": {label: {"queue_wait": self.queue_wait[b].as_dict(), "ttft": self.ttft[b].as_dict()}
+                            for b, label in enumerate(self.buckets.labels)}}
+
+    def latency_stats(self) -> dict[str, object]:
+        """Queue wait (arrival to first admission) and TTFT per length bucket."""
+        return {"policy": self.policy.name, "bucket_edges": list(self.buckets.edges),
+                "latency_buckets_s": list(LATENCY_BUCKETS),
+                "buckets": {label: {"queue_wait": self.queue_wait[b].as_dict(), "ttft": self.ttft[b].as_dict()}
+                            for b, label in enumerate(self.buckets.labels)}}
 
     def loading(self) -> bool:
         """Whether a waiting request waits for its prefix to come from disk."""
@@ -314,8 +402,12 @@ class Scheduler:
     def after_step(self, chunks: list[ScheduledChunk]) -> None:
         """Take checkpoints and return SWA slots that left the window, once every
         chunk is committed (and its MTP rows are final)."""
+        now = self.clock()
         for chunk in chunks:
             seq = chunk.seq
+            if seq.output and not seq.answered and seq.arrival is not None:  # its first token came out in this step
+                seq.answered = True
+                self.ttft[self._bucket(seq)].observe(now - seq.arrival)
             if self.cache is not None:
                 prompt_end = len(seq.prompt) // self.allocator.full.page_size * self.allocator.full.page_size
                 for boundary in self._checkpoints_crossed(seq, chunk.start):

@@ -55,3 +55,13 @@ def test_init_checkpoint_multimodal_loads_with_encoders(tmp_path: Path, capsys) 
     assert all(e.config.out_hidden_size == 128 for e in encoders.values())  # the tiny LLM's hidden size
     assert set(placeholder_token_ids(out)) == {"image", "video", "audio"}
     assert ChatTemplate.from_model_dir(out).source == DEFAULT_CHAT_TEMPLATE
+
+
+def test_schedule_buckets_option() -> None:
+    from api.cli import _bucket_edges
+
+    assert _bucket_edges(None) is None  # the model's default
+    assert _bucket_edges("none") == ()
+    assert _bucket_edges("65536,262144") == (65536, 262144)
+    with pytest.raises(SystemExit, match="comma-separated"):
+        _bucket_edges("64K")

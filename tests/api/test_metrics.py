@@ -212,3 +212,17 @@ def test_kv_tier_stats_are_mirrored_with_a_restore_latency_histogram() -> None:
     assert value(metrics, "swallow_kv_restore_seconds_bucket", le="+Inf") == 7
     assert value(metrics, "swallow_kv_restore_seconds_count") == 7
     assert value(metrics, "swallow_kv_restore_seconds_sum") == 0.5
+
+
+def test_queue_wait_and_ttft_per_length_bucket_are_histograms() -> None:
+    metrics = ServerMetrics()
+    bucket = {"queue_wait": {"counts": [2, 1, 0], "sum_s": 0.4}, "ttft": {"counts": [0, 3, 1], "sum_s": 2.5}}
+    long = {"queue_wait": {"counts": [0, 0, 1], "sum_s": 9.0}, "ttft": {"counts": [0, 0, 1], "sum_s": 12.0}}
+    metrics.set_engine_stats({**ENGINE_STATS, "schedule": {
+        "policy": "compute-aware", "bucket_edges": [65536], "latency_buckets_s": [0.1, 1.0],
+        "buckets": {"0-64K": bucket, "64K+": long}}})
+    assert value(metrics, "swallow_queue_wait_seconds_bucket", bucket="0-64K", le="0.1") == 2
+    assert value(metrics, "swallow_queue_wait_seconds_bucket", bucket="0-64K", le="+Inf") == 3
+    assert value(metrics, "swallow_queue_wait_seconds_sum", bucket="64K+") == 9.0
+    assert value(metrics, "swallow_bucket_ttft_seconds_bucket", bucket="0-64K", le="1.0") == 3
+    assert value(metrics, "swallow_bucket_ttft_seconds_count", bucket="64K+") == 1

@@ -10,7 +10,15 @@ import pytest
 from llm_core import LLM, SamplingParams
 from llm_core.kv_pool import FullKVPool, KVAllocator, SWAKVPool
 from llm_core.prefix_cache import RadixCache
-from llm_core.schedule_policy import ComputeAware, Fcfs, LongestPrefixMatch, Running, Waiting, make_policy
+from llm_core.schedule_policy import (
+    ComputeAware,
+    Fcfs,
+    LengthBuckets,
+    LongestPrefixMatch,
+    Running,
+    Waiting,
+    make_policy,
+)
 from llm_core.scheduler import Scheduler, SchedulerConfig, Sequence
 
 
@@ -120,6 +128,59 @@ def test_outputs_do_not_depend_on_the_policy(tiny_checkpoint: Path, policy: str)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     expected = [o.token_ids for o in LLM(tiny_checkpoint, enable_prefix_caching=False).generate(prompts, params)]
     llm = LLM(tiny_checkpoint, kv_budget_bytes=512 << 10, page_size=4, chunked_prefill_size=8, max_running_requests=4,
-              schedule_policy=policy)
+              schedule_policy=policy, schedule_bucket_edges=(40,))
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.stats()["preemptions"] > 0
+    # Prompts of 36-44 tokens: both buckets served, every request's queue wait and TTFT counted once.
+    buckets = llm.stats()["schedule"]["buckets"]
+    assert list(buckets) == ["0-40", "40+"]
+    assert [b["ttft"]["count"] for b in buckets.values()] == [2, 4]
+    assert sum(b["queue_wait"]["count"] for b in buckets.values()) == 6
+
+
+def test_length_buckets_scale_with_the_context_and_share_the_budget_by_water_filling() -> None:
+    assert LengthBuckets.for_context(1 << 20).edges == (1 << 16, 1 << 18)
+    assert LengthBuckets.for_context(1 << 20).labels == ["0-64K", "64K-256K", "256K+"]
+    assert LengthBuckets.for_context(32768).edges == (2048, 8192)
+    buckets = LengthBuckets((100, 1000))
+    assert [buckets.of(n) for n in (0, 99, 100, 999, 1000, 10**6)] == [0, 0, 1, 1, 2, 2]
+    assert buckets.shares([0, 0, 0], 64) == [0, 0, 0]
+    assert buckets.shares([500, 0, 900], 64) == [32, 0, 32]  # idle buckets take nothing
+    assert buckets.shares([20, 500, 900], 64) == [20, 22, 22]  # what one needs less goes to the others
+    with pytest.raises(ValueError, match="ascending"):
+        LengthBuckets((10, 5))
+
+
+def _bucketed(edges: tuple[int, ...]) -> Scheduler:
+    allocator = KVAllocator(FullKVPool(4096, 4), SWAKVPool(4096, 1), 9)
+    return Scheduler(allocator, SchedulerConfig(8, 64, 64, "fcfs", edges), RadixCache(allocator), clock=_Clock())
+
+
+@pytest.mark.parametrize("edges", [(), (100,)])
+def test_short_requests_are_not_queued_behind_a_long_prefill_in_another_bucket(edges: tuple[int, ...]) -> None:
+    scheduler = _bucketed(edges)
+    clock = scheduler.clock
+    long = _seq(0, 1000, scheduler)
+    scheduler.add(long)
+    scheduler.advance(scheduler.schedule())  # the long prefill is running, a chunk a step
+    short = _seq(1, 20, scheduler)
+    scheduler.add(short)
+    steps = 0
+    while not short.answered:
+        clock.now += 1.0  # type: ignore[attr-defined]
+        chunks = scheduler.schedule()
+        assert sum(c.length for c in chunks) <= 64
+        for c in chunks:  # as the engine does: commit, sample, then after_step
+            sampled = c.samples
+            scheduler.commit(c)
+            if sampled:
+                c.seq.output.append(5)
+        scheduler.after_step(chunks)
+        steps += 1
+    if edges:  # its own bucket's share: served in the step it arrives; the long one still moves
+        assert steps == 1 and long.num_computed == 64 + 44
+    else:  # one bucket: it waits for the long prefill to end
+        assert steps > 10
+    # The short one's bucket counted its TTFT (and, with one bucket, the long one's, which came first).
+    first = scheduler.latency_stats()["buckets"]["0-100" if edges else "0+"]  # type: ignore[index]
+    assert first["ttft"]["count"] == (1 if edges else 2) and first["queue_wait"]["count"] == 2 - bool(edges)
