@@ -151,6 +151,13 @@ def _bench(args: argparse.Namespace) -> int:
                              page_size=args.page_size)
     elif args.name == "prefix-cache":
         result = _bench_prefix_cache(args)
+    elif args.name == "schedule":
+        from api.bench_schedule import run_schedule_bench
+
+        if not args.trace:
+            raise ValueError("bench schedule needs --trace (a directory of sessions or a .jsonl file)")
+        result = run_schedule_bench(args.trace, args.cost_model, args.load, args.limit, args.plot,
+                                    log=lambda msg: print(msg, file=sys.stderr))
     elif args.name == "tiers":
         from api.bench_tiers import DEFAULT_LENGTHS, tiers_bench
 
@@ -329,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     video_qa.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
-    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step", "mtp", "tiers"])
+    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step", "mtp", "tiers", "schedule"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv, step: model shape")
     bench.add_argument("--running", type=int, default=64, help="step: running requests")
@@ -350,12 +357,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--encoder-requests", type=int, default=256, help="encoder: single-item requests")
     bench.add_argument("--max-wait-ms", type=float, default=5.0, help="encoder: batching window")
     bench.add_argument("--torch-threads", type=int, help="encoder: torch intra-op threads (default: torch's)")
-    bench.add_argument("--trace", help="prefix-cache: agentic session directory or Mooncake .jsonl")
+    bench.add_argument("--trace", help="prefix-cache, schedule: agentic session directory or Mooncake .jsonl")
+    bench.add_argument("--cost-model", default="mimo-v2.5-pro-h200", choices=["mimo-v2.5-pro-h200", "calibrated"],
+                       help="schedule: step times from MiMo-V2.5-Pro on 8 H200s (analytic), or the engine's own "
+                            "steps measured on this machine (demo-size model) and fitted")
+    bench.add_argument("--load", type=float, default=0.8, help="schedule: utilisation the arrivals are scaled to")
     bench.add_argument("--full-pool-tokens", type=int, default=4_000_000, help="prefix-cache: full pool")
     bench.add_argument("--swa-fraction", type=float, default=0.05, help="prefix-cache: SWA pool / full pool")
     bench.add_argument("--checkpoint-interval", type=int, default=4096, help="prefix-cache: 0 for none")
-    bench.add_argument("--limit", type=int, help="prefix-cache: first N requests only")
-    bench.add_argument("--plot", help="prefix-cache: also sweep SWA pool sizes and save a PNG here; "
+    bench.add_argument("--limit", type=int, help="prefix-cache, schedule: first N requests only")
+    bench.add_argument("--plot", help="schedule: the TTFT CDF per policy to this PNG; "
+                       "prefix-cache: also sweep SWA pool sizes and save a PNG here; "
                        "load: save TTFT and throughput against concurrency as a PNG here")
     bench.add_argument("--sweep", default="0.005,0.01,0.02,0.05,0.1,0.25,1.0",
                        help="prefix-cache: SWA pool fractions for --plot")

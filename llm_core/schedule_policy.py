@@ -4,7 +4,7 @@ on both pools, chunking, budgets, preemption, cache locks).
 
 * ``fcfs``: arrival order; a request that does not fit stops admission
   (head-of-line blocking, the classic behaviour), the newest running request
-  is preempted first.
+  is preempted first; one budget for all lengths.
 * ``compute-aware``: fewest tokens left to compute first (its prompt minus
   what the prefix cache and its tiers hold, from a side-effect-free
   ``peek``), minus an aging credit of ``aging_tokens_per_s`` per second
@@ -13,13 +13,15 @@ on both pools, chunking, budgets, preemption, cache locks).
   reservation). So no request waits longer than ``starvation_s`` plus the
   time for running requests to free what it needs.
 * ``lpm``: longest cached prefix first (SGLang's default), with the same
-  skipping and reservation.
+  skipping and reservation; one budget for all lengths.
 
 Length buckets (``LengthBuckets``) group requests by prompt length (default
 edges 64K / 256K tokens under a 1M context, scaled by the model's context
-length): each step's prefill budget is shared between the buckets that have
-work, so long prefills keep moving in chunks while short requests are not
-queued behind them.
+length). Under ``compute-aware`` each step's prefill budget is shared between
+the buckets that have work, in proportion to the requests each holds (what
+one cannot use goes to the others), so long prefills keep moving in chunks
+while short requests are not queued behind them. Every policy's queue wait
+and TTFT are reported per bucket.
 
 Pure logic: no torch, no pools.
 """
@@ -56,6 +58,7 @@ class Running:
 class SchedulePolicy(Protocol):
     name: str
     needs_cached_lengths: bool  # whether ``order`` reads ``Waiting.cached``/``tokens_left`` from the cache
+    shares_budget_by_length: bool  # whether each step's prefill budget is shared between length buckets
 
     def order(self, waiting: Seq[Waiting]) -> list[int]:
         """Request ids in the order admission tries them."""
@@ -78,6 +81,7 @@ def _newest(running: Seq[Running]) -> int:
 class Fcfs:
     name: str = "fcfs"
     needs_cached_lengths: bool = False
+    shares_budget_by_length: bool = False
 
     def order(self, waiting: Seq[Waiting]) -> list[int]:
         return [w.request_id for w in sorted(waiting, key=lambda w: (w.arrival, w.request_id))]
@@ -97,6 +101,7 @@ class ComputeAware:
     starvation_s: float = 30.0
     name: str = "compute-aware"
     needs_cached_lengths: bool = True
+    shares_budget_by_length: bool = True
 
     def __post_init__(self) -> None:
         if self.aging_tokens_per_s < 0 or self.starvation_s <= 0:
@@ -122,6 +127,7 @@ class LongestPrefixMatch:
     starvation_s: float = 30.0
     name: str = "lpm"
     needs_cached_lengths: bool = True
+    shares_budget_by_length: bool = False
 
     def order(self, waiting: Seq[Waiting]) -> list[int]:
         return [w.request_id for w in sorted(waiting, key=lambda w: (-w.cached, w.arrival, w.request_id))]
@@ -176,16 +182,19 @@ class LengthBuckets:
         bounds = [0, *self.edges]
         return [f"{_short(lo)}-{_short(hi)}" for lo, hi in zip(bounds, self.edges)] + [f"{_short(bounds[-1])}+"]
 
-    def shares(self, demand: Seq[int], budget: int) -> list[int]:
-        """The budget split between buckets by water-filling: each bucket with
-        work gets an equal share, and what a bucket needs less than its share
-        goes to the others. ``demand[b]``: tokens bucket ``b`` could use."""
+    def shares(self, demand: Seq[int], budget: int, weights: Seq[float] | None = None) -> list[int]:
+        """The budget split between buckets by weighted water-filling: each
+        bucket with work gets a share in proportion to its weight (equal
+        without ``weights``), and what a bucket needs less than its share goes
+        to the others. ``demand[b]``: tokens bucket ``b`` could use."""
         caps = [0] * len(demand)
-        active = sorted((d, b) for b, d in enumerate(demand) if d > 0)
-        left = budget
-        for i, (d, b) in enumerate(active):
-            caps[b] = min(d, left // (len(active) - i))
+        weight = [(weights[b] if weights is not None else 1.0) if d > 0 else 0.0 for b, d in enumerate(demand)]
+        active = sorted((b for b, d in enumerate(demand) if d > 0), key=lambda b: demand[b] / weight[b])
+        left, total = budget, sum(weight)
+        for b in active:
+            caps[b] = min(demand[b], int(left * weight[b] / total))
             left -= caps[b]
+            total -= weight[b]
         return caps
 
 

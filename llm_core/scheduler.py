@@ -105,8 +105,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     chunked_prefill_size: int = 1024
     policy: str = "compute-aware"  # see schedule_policy.py
-    # Prompt-length bucket edges: each step's prefill budget is shared between
-    # the buckets with work (see LengthBuckets); () is one bucket.
+    # Prompt-length bucket edges: latency is reported per bucket, and under a
+    # policy that shares budget by length (compute-aware) each step's prefill
+    # budget is shared between the buckets with work; () is one bucket.
     bucket_edges: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -194,40 +195,40 @@ class Scheduler:
         return chunks
 
     def _prefills(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        """Chunks of running prefills, then admissions in policy order, under a
+        """Chunks of running prefills and admissions, all in policy order (a
+        short new request may go before a long prefill's next chunk), under a
         budget shared between length buckets; then whatever is left of it to
         anyone still unscheduled. Returns the budget left."""
-        prefilling = [s for s in self.running if not s.in_decode]
-        order = self._admission_order() if self.waiting else []
-        if len(self.buckets) > 1:
+        order = self._prefill_order()
+        sharing = self.policy.shares_budget_by_length and len(self.buckets) > 1
+        share_of: Callable[[Sequence], int] = self._bucket if sharing else (lambda seq: 0)
+        if sharing:
             demand = [0] * len(self.buckets)
-            chunk_max = self.config.chunked_prefill_size
-            for seq in prefilling:
-                demand[self._bucket(seq)] += min(seq.num_tokens - seq.num_computed, chunk_max)
+            population = [0] * len(self.buckets)
             for seq, info in order:
-                demand[self._bucket(seq)] += min(info.tokens_left, chunk_max)
-            left = self.buckets.shares(demand, budget)
+                demand[self._bucket(seq)] += min(info.tokens_left, self.config.chunked_prefill_size)
+                population[self._bucket(seq)] += 1
+            left = self.buckets.shares(demand, budget, population)
         else:
             left = [budget]
         scheduled: set[int] = set()
         for shared in (True, False):
-            def room(seq: Sequence) -> int:
-                return min(left[self._bucket(seq)], budget) if shared else budget
-
-            for seq in prefilling:
-                if seq.request_id in scheduled or (n := room(seq)) < 1:
-                    continue
-                if chunk := self._prefill_chunk(seq, n):
-                    chunks.append(chunk)
-                    scheduled.add(seq.request_id)
-                    budget -= chunk.length
-                    left[self._bucket(seq)] -= chunk.length
             reserved = False
             for seq, info in order:
-                if budget < 1 or len(self.running) >= self.config.max_running_requests:
+                if budget < 1:
                     break
-                if seq.is_running or (n := room(seq)) < 1:
-                    continue  # admitted already, or its bucket's share is spent (the second round may take it)
+                n = min(left[share_of(seq)], budget) if shared else budget
+                if seq.request_id in scheduled or n < 1:
+                    continue  # scheduled already, or its bucket's share is spent (the second round may take it)
+                if seq.is_running:
+                    if chunk := self._prefill_chunk(seq, n):
+                        chunks.append(chunk)
+                        scheduled.add(seq.request_id)
+                        budget -= chunk.length
+                        left[share_of(seq)] -= chunk.length
+                    continue
+                if reserved or len(self.running) >= self.config.max_running_requests:
+                    continue  # no admission past a reservation, or no room to run more
                 chunk = self._prefill_chunk(seq, n)
                 if chunk is None:
                     # Not admitted: it must not pin the cached prefix it matched, or
@@ -235,16 +236,28 @@ class Scheduler:
                     self._unpin(seq)
                     if seq.loading or not self.policy.reserves(info):
                         continue  # skipped, not waited on: the next one may fit
-                    reserved = True
-                    break  # it has waited long enough: nothing is admitted past it
+                    reserved = True  # it has waited long enough: nothing is admitted past it
+                    continue
                 self._admit(seq)
                 chunks.append(chunk)
                 scheduled.add(seq.request_id)
                 budget -= chunk.length
-                left[self._bucket(seq)] -= chunk.length
-            if reserved or budget < 1 or len(self.buckets) == 1:
+                left[share_of(seq)] -= chunk.length
+            if reserved or budget < 1 or len(left) == 1:
                 break
         return budget
+
+    def _prefill_order(self) -> list[tuple[Sequence, Waiting]]:
+        """Running prefills and waiting requests in the order the policy
+        serves them (a running one's work left is what it has not computed)."""
+        now = self.clock()
+        infos = {seq.request_id: (seq, self._waiting(seq, now)) for seq in self.waiting}
+        for seq in self.running:
+            if not seq.in_decode:
+                arrival = now if seq.arrival is None else seq.arrival
+                infos[seq.request_id] = (seq, Waiting(seq.request_id, arrival, now - arrival,
+                                                      seq.num_tokens - seq.num_computed, seq.num_computed))
+        return [infos[rid] for rid in self.policy.order([info for _, info in infos.values()])]
 
     def _bucket(self, seq: Sequence) -> int:
         return self.buckets.of(len(seq.prompt))
@@ -256,12 +269,6 @@ class Scheduler:
         if not seq.admitted and seq.arrival is not None:
             seq.admitted = True
             self.queue_wait[self._bucket(seq)].observe(self.clock() - seq.arrival)
-
-    def _admission_order(self) -> list[tuple[Sequence, Waiting]]:
-        """Waiting requests in the order the policy tries them."""
-        now = self.clock()
-        infos = {seq.request_id: (seq, self._waiting(seq, now)) for seq in self.waiting}
-        return [infos[rid] for rid in self.policy.order([info for _, info in infos.values()])]
 
     def _waiting(self, seq: Sequence, now: float) -> Waiting:
         cached = self._cached_length(seq) if self.policy.needs_cached_lengths else 0

@@ -32,6 +32,9 @@ class TraceRequest:
     block_size: int
     input_tokens: int
     output_tokens: int
+    # Requests of one agent session ("" for none): each is sent only once the
+    # previous one is answered (replays with a clock keep that order).
+    session: str = ""
 
 
 def load_trace(path: str | Path, stagger_s: float = 60.0) -> list[TraceRequest]:
@@ -47,7 +50,7 @@ def load_trace(path: str | Path, stagger_s: float = 60.0) -> list[TraceRequest]:
             for r in data["requests"]:
                 requests.append(TraceRequest(k * stagger_s + float(r["t"]),
                                              tuple((scope, h) for h in r["hash_ids"][: r["in"] // bs]),
-                                             bs, int(r["in"]), int(r["out"])))
+                                             bs, int(r["in"]), int(r["out"]), file.stem))
     else:
         for line in path.read_text().splitlines():
             if not line.strip():
