@@ -151,36 +151,66 @@ def test_length_buckets_scale_with_the_context_and_share_the_budget_by_water_fil
         LengthBuckets((10, 5))
 
 
-def _bucketed(edges: tuple[int, ...]) -> Scheduler:
+def _bucketed(policy: str, edges: tuple[int, ...] = (100,)) -> Scheduler:
     allocator = KVAllocator(FullKVPool(4096, 4), SWAKVPool(4096, 1), 9)
-    return Scheduler(allocator, SchedulerConfig(8, 64, 64, "fcfs", edges), RadixCache(allocator), clock=_Clock())
+    return Scheduler(allocator, SchedulerConfig(16, 64, 64, policy, edges), RadixCache(allocator), clock=_Clock())
 
 
-@pytest.mark.parametrize("edges", [(), (100,)])
-def test_short_requests_are_not_queued_behind_a_long_prefill_in_another_bucket(edges: tuple[int, ...]) -> None:
-    scheduler = _bucketed(edges)
-    clock = scheduler.clock
+def _step(scheduler: Scheduler) -> list:
+    """One step (a millisecond: aging plays no part) as the engine runs it:
+    commit, sample, then after_step."""
+    scheduler.clock.now += 0.001  # type: ignore[attr-defined]
+    chunks = scheduler.schedule()
+    assert sum(c.length for c in chunks) <= 64
+    for c in chunks:
+        sampled = c.samples
+        scheduler.commit(c)
+        if sampled:
+            c.seq.output.append(5)
+    scheduler.after_step(chunks)
+    return chunks
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "compute-aware"])
+def test_short_requests_are_not_queued_behind_a_long_prefill(policy: str) -> None:
+    scheduler = _bucketed(policy)
     long = _seq(0, 1000, scheduler)
     scheduler.add(long)
-    scheduler.advance(scheduler.schedule())  # the long prefill is running, a chunk a step
+    _step(scheduler)  # the long prefill is running, a chunk a step
     short = _seq(1, 20, scheduler)
     scheduler.add(short)
     steps = 0
     while not short.answered:
-        clock.now += 1.0  # type: ignore[attr-defined]
-        chunks = scheduler.schedule()
-        assert sum(c.length for c in chunks) <= 64
-        for c in chunks:  # as the engine does: commit, sample, then after_step
-            sampled = c.samples
-            scheduler.commit(c)
-            if sampled:
-                c.seq.output.append(5)
-        scheduler.after_step(chunks)
+        _step(scheduler)
         steps += 1
-    if edges:  # its own bucket's share: served in the step it arrives; the long one still moves
+    if policy == "compute-aware":  # served in the step it arrives; the long one still moves
         assert steps == 1 and long.num_computed == 64 + 44
-    else:  # one bucket: it waits for the long prefill to end
+    else:  # FCFS, one budget: it waits for the long prefill to end
         assert steps > 10
-    # The short one's bucket counted its TTFT (and, with one bucket, the long one's, which came first).
-    first = scheduler.latency_stats()["buckets"]["0-100" if edges else "0+"]  # type: ignore[index]
-    assert first["ttft"]["count"] == (1 if edges else 2) and first["queue_wait"]["count"] == 2 - bool(edges)
+    # The short one's bucket counted its TTFT (and under FCFS the long one's, which came first).
+    first = scheduler.latency_stats()["buckets"]["0-100"]  # type: ignore[index]
+    assert first["ttft"]["count"] == 1 and first["queue_wait"]["count"] == 1
+
+
+def test_a_long_prefill_keeps_moving_under_a_burst_of_short_requests() -> None:
+    scheduler = _bucketed("compute-aware")
+    long = _seq(0, 1000, scheduler)
+    scheduler.add(long)
+    _step(scheduler)
+    shorts = [_seq(1 + i, 20, scheduler) for i in range(10)]
+    for seq in shorts:
+        scheduler.add(seq)
+    before = long.num_computed
+    chunks = _step(scheduler)
+    # Its bucket's share (1 request of 11) plus what the short ones' bucket cannot use.
+    assert long.num_computed - before >= 64 // 11
+    assert sum(c.length for c in chunks if c.seq is not long) >= 40
+    without = _bucketed("compute-aware", ())
+    other = _seq(0, 1000, without)
+    without.add(other)
+    _step(without)
+    for i in range(10):
+        without.add(_seq(1 + i, 20, without))
+    before = other.num_computed
+    _step(without)
+    assert other.num_computed == before  # one budget: the short ones take it all
