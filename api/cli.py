@@ -156,8 +156,13 @@ def _bench(args: argparse.Namespace) -> int:
 
         if not args.trace:
             raise ValueError("bench schedule needs --trace (a directory of sessions or a .jsonl file)")
-        result = run_schedule_bench(args.trace, args.cost_model, args.load, args.limit, args.plot,
-                                    log=lambda msg: print(msg, file=sys.stderr))
+        log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+        if args.engine_replay:
+            from api.bench_schedule import engine_comparison
+
+            result = engine_comparison(args.trace, args.load, log=log)
+        else:
+            result = run_schedule_bench(args.trace, args.cost_model, args.load, args.limit, args.plot, log=log)
     elif args.name == "tiers":
         from api.bench_tiers import DEFAULT_LENGTHS, tiers_bench
 
@@ -362,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="schedule: step times from MiMo-V2.5-Pro on 8 H200s (analytic), or the engine's own "
                             "steps measured on this machine (demo-size model) and fitted")
     bench.add_argument("--load", type=float, default=0.8, help="schedule: utilisation the arrivals are scaled to")
+    bench.add_argument("--engine-replay", action="store_true",
+                       help="schedule: fcfs against compute-aware on a scaled-down agentic trace through the real "
+                            "engine (demo-size model, wall clock) and through the replay (calibrated cost model)")
     bench.add_argument("--full-pool-tokens", type=int, default=4_000_000, help="prefix-cache: full pool")
     bench.add_argument("--swa-fraction", type=float, default=0.05, help="prefix-cache: SWA pool / full pool")
     bench.add_argument("--checkpoint-interval", type=int, default=4096, help="prefix-cache: 0 for none")

@@ -400,7 +400,7 @@ def utilisation(result: ReplayResult) -> float:
 
 
 def calibrate_load(requests: Seq[TraceRequest], cost: CostModel, load: float, config: ReplayConfig,
-                   log: Callable[[str], None] | None = None, rounds: int = 2) -> float:
+                   log: Callable[[str], None] | None = None, rounds: int = 3) -> float:
     """The arrival-time factor at which an FCFS replay is busy ``load`` of the
     time: the work estimate's factor, corrected by replaying (batching and
     cache misses make real steps cost other than the estimate)."""
