@@ -36,7 +36,7 @@ def _sessions(path: Path) -> Path:
 
 
 def test_the_engine_replay_serves_every_request_in_session_order(tmp_path: Path) -> None:
-    requests = scaled_trace(load_trace(_sessions(tmp_path), stagger_s=0.5), sessions=2, turns=3)
+    requests = scaled_trace(load_trace(_sessions(tmp_path), stagger_s=0.0), sessions=2, turns=3)
     assert len(requests) == 6 and {r.block_size for r in requests} == {8}
     config = dataclasses.replace(demo_llm_config(VOCAB, 1), max_position_embeddings=512)
     model = write_random_checkpoint(tmp_path / "model", config, seed=0)
