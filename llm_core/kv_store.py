@@ -40,7 +40,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, TypeAlias
@@ -214,14 +214,10 @@ class HostKVPool:
         ValueError if the entry alone exceeds the capacity; MemoryError if it does
         not fit next to the entries already held (the caller evicts, then retries).
         """
-        _check_key(key)
-        _check_tokens(tokens)
         flats = [_flat_bytes(part) for part in parts]
         size = sum(flat.numel() for flat in flats)
-        if size > self._capacity:
-            raise ValueError(f"entry of {size} bytes exceeds the pool capacity of {self._capacity} bytes")
-        self._reserve(key, size)
-        try:
+
+        def copied() -> _HostEntry:
             blob = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
             offset = 0
             for flat in flats:
@@ -230,7 +226,29 @@ class HostKVPool:
             # Hash the host copy, not the source: the checksum must vouch for
             # exactly the bytes that get_into will hand back.
             array = blob.numpy()
-            entry = _HostEntry(blob, _checksum(array), tokens, array, blob.data_ptr())
+            return _HostEntry(blob, _checksum(array), tokens, array, blob.data_ptr())
+
+        self._store(key, tokens, size, copied)
+
+    def put_verified(self, key: bytes, blob: torch.Tensor, checksum: int, tokens: int) -> None:
+        """Adopt ``blob`` (flat uint8, CPU, never written again by the caller)
+        as the entry, its ``checksum`` already verified against the bytes: a
+        disk read lands in host memory without a second copy or hash. Errors
+        as ``put``."""
+        if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.device.type != "cpu" or not blob.is_contiguous():
+            raise ValueError("a flat contiguous uint8 CPU tensor is adopted")
+        self._store(key, tokens, blob.numel(),
+                    lambda: _HostEntry(blob, checksum, tokens, blob.numpy(), blob.data_ptr()))
+
+    def _store(self, key: bytes, tokens: int, size: int, make: Callable[[], _HostEntry]) -> None:
+        """Reserve ``size`` bytes, build the entry, commit it in place of any old one."""
+        _check_key(key)
+        _check_tokens(tokens)
+        if size > self._capacity:
+            raise ValueError(f"entry of {size} bytes exceeds the pool capacity of {self._capacity} bytes")
+        self._reserve(key, size)
+        try:
+            entry = make()
         except BaseException:
             with self._lock:
                 self._reserved -= size
@@ -307,25 +325,6 @@ class HostKVPool:
         entry = self._entries.get(key)
         if entry is not None and entry.address == address:
             self._drop_corrupt(key, entry)
-
-    def put_verified(self, key: bytes, blob: torch.Tensor, checksum: int, tokens: int) -> None:
-        """Adopt ``blob`` (flat uint8, CPU, never written again by the caller)
-        as the entry, its ``checksum`` already verified against the bytes: a
-        disk read lands in host memory without a second copy or hash."""
-        _check_key(key)
-        _check_tokens(tokens)
-        if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.device.type != "cpu" or not blob.is_contiguous():
-            raise ValueError("a flat contiguous uint8 CPU tensor is adopted")
-        size = blob.numel()
-        if size > self._capacity:
-            raise ValueError(f"entry of {size} bytes exceeds the pool capacity of {self._capacity} bytes")
-        self._reserve(key, size)
-        entry = _HostEntry(blob, checksum, tokens, blob.numpy(), blob.data_ptr())
-        with self._lock:
-            self._reserved -= size
-            old = self._entries.pop(key, None)
-            self._used += size - (old.blob.numel() if old is not None else 0)
-            self._entries[key] = entry
 
     def remove(self, key: bytes) -> None:
         with self._lock:

@@ -27,7 +27,6 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import torch
 import xxhash
 import xxhash._xxhash
@@ -59,11 +58,6 @@ def page_copy_kernel() -> ModuleType | None:
         log.warning("the C++ KV page copy did not build (%s); using the torch path", exc)
         return None
     return kernel
-
-
-def _as_int64(checksums: Sequence[int]) -> torch.Tensor:
-    """Unsigned 64-bit checksums as the int64 bits C++ reads."""
-    return torch.from_numpy(np.array(checksums, dtype=np.uint64).view(np.int64))
 
 
 def model_weights_digest(model: torch.nn.Module, samples: int = 4096) -> bytes:
@@ -578,15 +572,15 @@ class EngineTierIO:
         """Disk files read straight into pages (verified there); an entry still
         queued for writing comes from the queue's copy."""
         assert self.disk is not None
+        queued = [self.writer.queued(key) if self.writer is not None else None for key in keys]
         done = 0
         while done < len(keys):
-            queued = self.writer.queued(keys[done]) if self.writer is not None else None
-            if queued is not None:
-                kernel.blobs_to_pages([queued[0]], self.full_tensors, torch.tensor([pages[done]]), self.kv.page_size)
+            if (entry := queued[done]) is not None:
+                kernel.blobs_to_pages([entry[0]], self.full_tensors, torch.tensor([pages[done]]), self.kv.page_size)
                 done += 1
                 continue
             end = done
-            while end < len(keys) and (self.writer is None or self.writer.queued(keys[end]) is None):
+            while end < len(keys) and queued[end] is None:
                 end += 1
             run = keys[done:end]
             listed = self.disk.file_specs(run)

@@ -212,6 +212,14 @@ class Scheduler:
         else:
             left = [budget]
         scheduled: set[int] = set()
+
+        def take(chunk: ScheduledChunk) -> None:
+            nonlocal budget
+            chunks.append(chunk)
+            scheduled.add(chunk.seq.request_id)
+            budget -= chunk.length
+            left[share_of(chunk.seq)] -= chunk.length
+
         for shared in (True, False):
             reserved = False
             for seq, info in order:
@@ -222,10 +230,7 @@ class Scheduler:
                     continue  # scheduled already, or its bucket's share is spent (the second round may take it)
                 if seq.is_running:
                     if chunk := self._prefill_chunk(seq, n):
-                        chunks.append(chunk)
-                        scheduled.add(seq.request_id)
-                        budget -= chunk.length
-                        left[share_of(seq)] -= chunk.length
+                        take(chunk)
                     continue
                 if reserved or len(self.running) >= self.config.max_running_requests:
                     continue  # no admission past a reservation, or no room to run more
@@ -239,10 +244,7 @@ class Scheduler:
                     reserved = True  # it has waited long enough: nothing is admitted past it
                     continue
                 self._admit(seq)
-                chunks.append(chunk)
-                scheduled.add(seq.request_id)
-                budget -= chunk.length
-                left[share_of(seq)] -= chunk.length
+                take(chunk)
             if reserved or budget < 1 or len(left) == 1:
                 break
         return budget
@@ -293,13 +295,6 @@ class Scheduler:
         rid = self.policy.victim([Running(s.request_id, 0.0 if s.arrival is None else s.arrival,
                                           s.num_tokens - s.num_computed) for s in candidates])
         return next(s for s in candidates if s.request_id == rid)
-
-    def latency_stats(self) -> dict[str, object]:
-        """Queue wait (arrival to first admission) and TTFT per length bucket."""
-        return {"policy": self.policy.name, "bucket_edges": list(self.buckets.edges),
-                "latency_buckets_s": list(LATENCY_BUCKETS),
-                "buckets": {label: {"queue_wait": self.queue_wait[b].as_dict(), "ttft": self.ttft[b].as_dict()}
-                            for b, label in enumerate(self.buckets.labels)}}
 
     def latency_stats(self) -> dict[str, object]:
         """Queue wait (arrival to first admission) and TTFT per length bucket."""

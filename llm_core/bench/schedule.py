@@ -33,7 +33,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from llm_core.bench.prefix_cache import MIMO_WINDOW, TokenFactory, TraceRequest, load_trace, trace_page_size
@@ -42,9 +42,6 @@ from llm_core.kv_pool import FullKVPool, KVAllocator, SWAKVPool
 from llm_core.prefix_cache import RadixCache
 from llm_core.schedule_policy import POLICIES, LengthBuckets
 from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
-
-COST_MODELS = ("mimo-v2.5-pro-h200", "calibrated")
-
 
 @dataclass(frozen=True)
 class StepShape:
@@ -405,7 +402,7 @@ def calibrate_load(requests: Seq[TraceRequest], cost: CostModel, load: float, co
     time: the work estimate's factor, corrected by replaying (batching and
     cache misses make real steps cost other than the estimate)."""
     scale = load_scale(requests, cost, load)
-    fcfs = _with_policy(config, "fcfs")
+    fcfs = replace(config, policy="fcfs")
     for _ in range(rounds):
         measured = utilisation(replay(requests, cost, fcfs, scale))
         if log is not None:
@@ -431,7 +428,7 @@ def schedule_bench(trace: str, cost: AnalyticCost | LinearCost, load: float = 0.
     cdfs: dict[str, list[float]] = {}
     for policy in policies:
         start = time.perf_counter()
-        result = replay(requests, cost, _with_policy(config, policy), scale)
+        result = replay(requests, cost, replace(config, policy=policy), scale)
         summary: dict[str, Any] = summarize(result.times)
         summary["utilisation"] = round(utilisation(result), 4)
         summary["preemptions"] = result.preemptions
@@ -451,12 +448,6 @@ def schedule_bench(trace: str, cost: AnalyticCost | LinearCost, load: float = 0.
             if fcfs["throughput_tok_s"] else None}
     out["_cdfs"] = cdfs
     return out
-
-
-def _with_policy(config: ReplayConfig, policy: str) -> ReplayConfig:
-    from dataclasses import replace
-
-    return replace(config, policy=policy)
 
 
 def plot_cdf(cdfs: dict[str, list[float]], out: str, title: str) -> None:
@@ -480,5 +471,5 @@ def plot_cdf(cdfs: dict[str, list[float]], out: str, title: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["COST_MODELS", "AnalyticCost", "LinearCost", "ReplayConfig", "StepShape", "calibrate_load", "load_scale",
+__all__ = ["AnalyticCost", "LinearCost", "ReplayConfig", "StepShape", "calibrate_load", "load_scale",
            "replay", "schedule_bench", "step_shape", "summarize", "utilisation"]

@@ -174,6 +174,17 @@ int32_t read_entry(const FileSpec& spec, const std::vector<iovec>& parts, uint64
   return kOk;
 }
 
+// read_entry, then the payload (in ``parts``) hashed against the header's
+// checksum, with ``state`` (the calling thread's).
+int32_t read_verified(const FileSpec& spec, const std::vector<iovec>& parts, uint64_t payload_len,
+                      const StreamState& state, Header* header) {
+  const int32_t s = read_entry(spec, parts, payload_len, header);
+  if (s != kOk) return s;
+  xxh3.reset(state.state);
+  for (const auto& p : parts) xxh3.update(state.state, p.iov_base, p.iov_len);
+  return xxh3.digest(state.state) == header->checksum ? kOk : kChecksum;
+}
+
 std::vector<FileSpec> file_specs(const std::vector<std::string>& paths, const std::vector<std::string>& keys,
                                  const at::Tensor& file_bytes, const std::string& magic, int64_t version) {
   TORCH_CHECK(keys.size() == paths.size(), "one key per path");
@@ -377,13 +388,7 @@ at::Tensor files_to_pages(const std::vector<std::string>& paths, const std::vect
     for (int64_t i = lo; i < hi; ++i) {
       for (size_t j = 0; j < dst.size(); ++j) parts[j] = {dst[j] + page[i] * seg[j], static_cast<size_t>(seg[j])};
       Header header;
-      int32_t s = read_entry(specs[i], parts, total, &header);
-      if (s == kOk) {
-        xxh3.reset(state.state);
-        for (const auto& p : parts) xxh3.update(state.state, p.iov_base, p.iov_len);
-        if (xxh3.digest(state.state) != header.checksum) s = kChecksum;
-      }
-      out[i] = s;
+      out[i] = read_verified(specs[i], parts, total, state, &header);
     }
   });
   return status;
@@ -416,8 +421,7 @@ std::vector<std::tuple<int32_t, int64_t, int64_t, std::optional<at::Tensor>>> re
         continue;
       }
       std::vector<iovec> parts{{buf.data_ptr(), static_cast<size_t>(buf.numel())}};
-      status[i] = read_entry(specs[i], parts, buf.numel(), &headers[i]);
-      if (status[i] == kOk && xxh3.oneshot(buf.data_ptr(), buf.numel()) != headers[i].checksum) status[i] = kChecksum;
+      status[i] = read_verified(specs[i], parts, buf.numel(), state, &headers[i]);
     }
   }
   for (size_t i = 0; i < specs.size(); ++i) {
