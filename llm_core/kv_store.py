@@ -162,27 +162,17 @@ class _HostEntry:
     address: int  # where the bytes start, for native copies that take addresses
 
 
-class HostKVPool:
-    """Host-memory key -> bytes store for KV blobs, with a byte capacity.
+class _ByteBudget:
+    """A store's byte capacity, the bytes its entries use and the bytes puts
+    have reserved between their capacity check and their commit, all under
+    ``_lock``. A store says how big an entry already under a key is."""
 
-    Safe to share between the engine thread and a spill thread: the index is
-    guarded by a lock, and a stored blob is never modified (a replacement is a new
-    tensor), so a view handed out by ``get_bytes`` stays the bytes it was.
-    """
-
-    def __init__(self, capacity_bytes: int, pin_memory: bool = False) -> None:
+    def __init__(self, capacity_bytes: int) -> None:
         _check_capacity(capacity_bytes)
         self._capacity = capacity_bytes
-        # Pinning needs a CUDA runtime; without one there is no transfer to speed up.
-        self._pin = bool(pin_memory) and torch.cuda.is_available()
-        self._entries: dict[bytes, _HostEntry] = {}
         self._used = 0
-        self._reserved = 0  # bytes of puts between their capacity check and commit
+        self._reserved = 0
         self._lock = threading.Lock()
-        self._warn = _WarnOnce("HostKVPool")
-        self._held: dict[int, list[_HostEntry]] = {}  # entries native restores are reading
-        self._holds = itertools.count()
-        self.checksum_failures = 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -191,6 +181,39 @@ class HostKVPool:
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    def _entry_bytes(self, key: bytes) -> int:
+        """Bytes the entry under ``key`` holds (0 if none); called under ``_lock``."""
+        raise NotImplementedError
+
+    def _reserve(self, key: bytes, size: int) -> None:
+        """Room for ``size`` bytes replacing ``key``'s entry, or MemoryError."""
+        with self._lock:
+            if self._used + self._reserved - self._entry_bytes(key) + size > self._capacity:
+                raise MemoryError(
+                    f"{type(self).__name__} full: {self._used} of {self._capacity} bytes used, "
+                    f"{size} more needed; evict before put"
+                )
+            self._reserved += size
+
+
+class HostKVPool(_ByteBudget):
+    """Host-memory key -> bytes store for KV blobs, with a byte capacity.
+
+    Safe to share between the engine thread and a spill thread: the index is
+    guarded by a lock, and a stored blob is never modified (a replacement is a new
+    tensor), so a view handed out by ``get_bytes`` stays the bytes it was.
+    """
+
+    def __init__(self, capacity_bytes: int, pin_memory: bool = False) -> None:
+        super().__init__(capacity_bytes)
+        # Pinning needs a CUDA runtime; without one there is no transfer to speed up.
+        self._pin = bool(pin_memory) and torch.cuda.is_available()
+        self._entries: dict[bytes, _HostEntry] = {}
+        self._warn = _WarnOnce("HostKVPool")
+        self._held: dict[int, list[_HostEntry]] = {}  # entries native restores are reading
+        self._holds = itertools.count()
+        self.checksum_failures = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -261,16 +284,9 @@ class HostKVPool:
             self._used += size - (old.blob.numel() if old is not None else 0)
             self._entries[key] = entry  # re-inserted: keys() stays in put order
 
-    def _reserve(self, key: bytes, size: int) -> None:
-        with self._lock:
-            old = self._entries.get(key)
-            freed = old.blob.numel() if old is not None else 0
-            if self._used + self._reserved - freed + size > self._capacity:
-                raise MemoryError(
-                    f"HostKVPool full: {self._used} of {self._capacity} bytes used, "
-                    f"{size} more needed; evict before put"
-                )
-            self._reserved += size
+    def _entry_bytes(self, key: bytes) -> int:
+        old = self._entries.get(key)
+        return old.blob.numel() if old is not None else 0
 
     def get_into(self, key: bytes, outs: Sequence[torch.Tensor]) -> bool:
         """Copy the entry's bytes into ``outs`` in order (the layout ``put`` took).
@@ -422,7 +438,7 @@ def _payload_view(data: ByteData) -> memoryview:
     raise TypeError(f"unsupported data type {type(data).__name__}")
 
 
-class DiskKVStore:
+class DiskKVStore(_ByteBudget):
     """Local-disk key -> bytes store for KV blobs, one file per entry, with a byte
     capacity counted in file sizes.
 
@@ -434,18 +450,14 @@ class DiskKVStore:
     """
 
     def __init__(self, root: str | Path, capacity_bytes: int, namespace: bytes, fsync: bool = False) -> None:
-        _check_capacity(capacity_bytes)
+        super().__init__(capacity_bytes)
         if not isinstance(namespace, bytes) or not namespace:
             raise ValueError("namespace must be non-empty bytes")
-        self._capacity = capacity_bytes
         self._fsync = fsync
         self._dir = Path(root) / namespace.hex()[:32]
         self._dir.mkdir(parents=True, exist_ok=True)
         self._dir_prefix = f"{self._dir}{os.sep}"  # str paths: a Path join costs more than a small read
         self._index: dict[bytes, _IndexEntry] = {}
-        self._used = 0
-        self._reserved = 0  # bytes of puts between their capacity check and commit
-        self._lock = threading.Lock()
         self._warn = _WarnOnce(f"DiskKVStore({self._dir})")
         # Random per instance, so two stores in one process never pick the same
         # temp name; O_EXCL would refuse a clash anyway.
@@ -457,14 +469,6 @@ class DiskKVStore:
         self._scan()
 
     # ------------------------------------------------------------------ queries
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
 
     @property
     def directory(self) -> Path:
@@ -529,16 +533,9 @@ class DiskKVStore:
         self._publish(key, tmp, final, _IndexEntry(size, tokens, mtime_ns))
         return size
 
-    def _reserve(self, key: bytes, size: int) -> None:
-        with self._lock:
-            old = self._index.get(key)
-            freed = old.file_bytes if old is not None else 0
-            if self._used + self._reserved - freed + size > self._capacity:
-                raise MemoryError(
-                    f"DiskKVStore full: {self._used} of {self._capacity} bytes used, "
-                    f"{size} more needed; evict before put"
-                )
-            self._reserved += size
+    def _entry_bytes(self, key: bytes) -> int:
+        old = self._index.get(key)
+        return old.file_bytes if old is not None else 0
 
     def _write_file(self, tmp: Path, head: bytes, payload: memoryview) -> int:
         """Write a complete file at ``tmp``; returns its mtime. Removes ``tmp`` on
