@@ -8,12 +8,17 @@ on both pools, chunking, budgets, preemption, cache locks).
 * ``compute-aware``: fewest tokens left to compute first (its prompt minus
   what the prefix cache and its tiers hold, from a side-effect-free
   ``peek``), minus an aging credit of ``aging_tokens_per_s`` per second
-  waited. A request that does not fit is skipped, not waited on, until it has
-  waited ``starvation_s``: then nothing is admitted past it until it fits (a
-  reservation). So no request waits longer than ``starvation_s`` plus the
-  time for running requests to free what it needs.
+  waited. A request that does not fit is skipped, not waited on. Once it has
+  waited ``starvation_s`` it goes before every request that has not (oldest
+  first), and if it does not fit nothing is admitted past it until it does
+  (a reservation). So no request waits longer than ``starvation_s`` plus the
+  time to serve the starved requests ahead of it and for running requests
+  to free what it needs. A step that finishes some prefills of a bucket takes
+  at most as many tokens again of that bucket's prefills it does not finish:
+  a first token comes at the end of its step, so work that finishes no one
+  must not double the wait of those it does (the cut work runs next step).
 * ``lpm``: longest cached prefix first (SGLang's default), with the same
-  skipping and reservation; one budget for all lengths.
+  skipping, starvation bound and reservation; one budget for all lengths.
 
 Length buckets (``LengthBuckets``) group requests by prompt length (default
 edges 64K / 256K tokens under a 1M context, scaled by the model's context
@@ -29,7 +34,7 @@ Pure logic: no torch, no pools.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,6 +64,10 @@ class SchedulePolicy(Protocol):
     name: str
     needs_cached_lengths: bool  # whether ``order`` reads ``Waiting.cached``/``tokens_left`` from the cache
     shares_budget_by_length: bool  # whether each step's prefill budget is shared between length buckets
+    # Whether a step that finishes some prefills takes at most as many tokens
+    # again of prefills it does not finish (per bucket): a first token comes at
+    # the end of its step, so work that finishes no one must not stretch it.
+    finishes_first: bool
 
     def order(self, waiting: Seq[Waiting]) -> list[int]:
         """Request ids in the order admission tries them."""
@@ -82,6 +91,7 @@ class Fcfs:
     name: str = "fcfs"
     needs_cached_lengths: bool = False
     shares_budget_by_length: bool = False
+    finishes_first: bool = False
 
     def order(self, waiting: Seq[Waiting]) -> list[int]:
         return [w.request_id for w in sorted(waiting, key=lambda w: (w.arrival, w.request_id))]
@@ -102,6 +112,7 @@ class ComputeAware:
     name: str = "compute-aware"
     needs_cached_lengths: bool = True
     shares_budget_by_length: bool = True
+    finishes_first: bool = True
 
     def __post_init__(self) -> None:
         if self.aging_tokens_per_s < 0 or self.starvation_s <= 0:
@@ -111,7 +122,7 @@ class ComputeAware:
         return w.tokens_left - self.aging_tokens_per_s * w.waited_s
 
     def order(self, waiting: Seq[Waiting]) -> list[int]:
-        return [w.request_id for w in sorted(waiting, key=lambda w: (self.key(w), w.arrival, w.request_id))]
+        return _starved_first(waiting, self.starvation_s, self.key)
 
     def reserves(self, request: Waiting) -> bool:
         return request.waited_s >= self.starvation_s
@@ -128,15 +139,24 @@ class LongestPrefixMatch:
     name: str = "lpm"
     needs_cached_lengths: bool = True
     shares_budget_by_length: bool = False
+    finishes_first: bool = False
 
     def order(self, waiting: Seq[Waiting]) -> list[int]:
-        return [w.request_id for w in sorted(waiting, key=lambda w: (-w.cached, w.arrival, w.request_id))]
+        return _starved_first(waiting, self.starvation_s, lambda w: -w.cached)
 
     def reserves(self, request: Waiting) -> bool:
         return request.waited_s >= self.starvation_s
 
     def victim(self, running: Seq[Running]) -> int:
         return _newest(running)
+
+
+def _starved_first(waiting: Seq[Waiting], starvation_s: float, key: Callable[[Waiting], float]) -> list[int]:
+    """Requests that have waited ``starvation_s`` first, oldest first; then
+    the rest by ``key``. Without this a long request passed over by a stream
+    of cheaper ones would wait until its aging credit alone lifted it."""
+    return [w.request_id for w in sorted(waiting, key=lambda w: (0, w.arrival, 0.0, w.request_id)
+                                         if w.waited_s >= starvation_s else (1, 0.0, key(w), w.request_id))]
 
 
 POLICIES = ("compute-aware", "fcfs", "lpm")

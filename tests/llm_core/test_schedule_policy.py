@@ -105,6 +105,16 @@ def test_a_long_request_waits_at_most_the_aging_bound_under_a_stream_of_short_on
     assert admitted_at is not None and admitted_at <= bound
 
 
+def test_a_starved_request_goes_first_whatever_its_key() -> None:
+    # Without aging credit, a long request would wait behind cheaper ones forever;
+    # once it has waited the starvation bound it goes first, oldest first.
+    fresh = [_w(10 + i, 100.0 + i, 0.5, 10, cached=5) for i in range(3)]
+    starved = [_w(2, 50.0, 51.0, 90_000), _w(1, 40.0, 61.0, 200_000)]
+    for policy in (ComputeAware(aging_tokens_per_s=0.0, starvation_s=30.0), LongestPrefixMatch(starvation_s=30.0)):
+        assert policy.order(fresh + starved)[:2] == [1, 2]
+        assert policy.order(fresh + [_w(3, 90.0, 20.0, 90_000)])[-1] == 3  # not yet starved: by key
+
+
 def test_a_starved_request_gets_a_reservation() -> None:
     clock = _Clock()
     scheduler = _scheduler("compute-aware", clock=clock)
@@ -214,3 +224,20 @@ def test_a_long_prefill_keeps_moving_under_a_burst_of_short_requests() -> None:
     before = other.num_computed
     _step(without)
     assert other.num_computed == before  # one budget: the short ones take it all
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "compute-aware"])
+def test_a_step_that_finishes_a_prefill_is_not_stretched_by_one_it_does_not(policy: str) -> None:
+    scheduler = _bucketed(policy, ())
+    long = _seq(0, 1000, scheduler)
+    scheduler.add(long)
+    assert [c.length for c in _step(scheduler)] == [64]  # finishing no one: the whole budget
+    short = _seq(1, 20, scheduler)
+    scheduler.add(short)
+    lengths = {c.seq.request_id: c.length for c in _step(scheduler)}
+    if policy == "compute-aware":
+        # The short one's first token comes at the end of this step: the long
+        # prefill adds at most as many tokens again.
+        assert lengths == {1: 20, 0: 20} and short.answered
+    else:
+        assert lengths == {0: 64}
