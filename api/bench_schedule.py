@@ -119,8 +119,10 @@ def cost_model(name: str, log: Callable[[str], None] | None = None) -> AnalyticC
 
 
 def run_schedule_bench(trace: str, cost: str, load: float, limit: int | None, plot: str | None,
-                       log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    result = schedule_bench(trace, cost_model(cost, log), load, limit=limit, log=log)
+                       log: Callable[[str], None] | None = None, stagger_s: float = 60.0,
+                       closed_sessions: bool = True) -> dict[str, Any]:
+    result = schedule_bench(trace, cost_model(cost, log), load, limit=limit, stagger_s=stagger_s,
+                            config=ReplayConfig(closed_sessions=closed_sessions), log=log)
     cdfs = result.pop("_cdfs")
     if plot:
         plot_cdf(cdfs, plot, f"TTFT on {Path(trace).name} at {load:.0%} load ({cost})")

@@ -162,7 +162,8 @@ def _bench(args: argparse.Namespace) -> int:
 
             result = engine_comparison(args.trace, args.load, log=log)
         else:
-            result = run_schedule_bench(args.trace, args.cost_model, args.load, args.limit, args.plot, log=log)
+            result = run_schedule_bench(args.trace, args.cost_model, args.load, args.limit, args.plot, log=log,
+                                        stagger_s=args.stagger_s, closed_sessions=not args.open_sessions)
     elif args.name == "tiers":
         from api.bench_tiers import DEFAULT_LENGTHS, tiers_bench
 
@@ -367,6 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="schedule: step times from MiMo-V2.5-Pro on 8 H200s (analytic), or the engine's own "
                             "steps measured on this machine (demo-size model) and fitted")
     bench.add_argument("--load", type=float, default=0.8, help="schedule: utilisation the arrivals are scaled to")
+    bench.add_argument("--stagger-s", type=float, default=60.0,
+                       help="schedule: agentic sessions start this many trace seconds apart")
+    bench.add_argument("--open-sessions", action="store_true",
+                       help="schedule: send every agentic request at its (scaled) trace time, not only once its "
+                            "session's previous request is answered")
     bench.add_argument("--engine-replay", action="store_true",
                        help="schedule: fcfs against compute-aware on a scaled-down agentic trace through the real "
                             "engine (demo-size model, wall clock) and through the replay (calibrated cost model)")

@@ -221,6 +221,9 @@ class ReplayConfig:
     chunked_prefill_size: int = 16384
     max_running_requests: int = 256
     bucket_edges: tuple[int, ...] = LengthBuckets.for_context(1 << 20).edges  # MiMo-V2.5-Pro's 1M context
+    # A session's request is sent only once its previous one is answered (an
+    # agent waits for its answer); False: every request at its trace time.
+    closed_sessions: bool = True
 
 
 @dataclass
@@ -261,7 +264,7 @@ def replay(requests: Seq[TraceRequest], cost: CostModel, config: ReplayConfig, t
     ready: list[tuple[float, int, TraceRequest]] = []  # (arrival, order, request): a heap
     sessions: dict[str, deque[TraceRequest]] = {}
     for req in sorted(requests, key=lambda r: r.arrival):
-        if req.session:
+        if req.session and config.closed_sessions:
             sessions.setdefault(req.session, deque()).append(req)
         else:
             heapq.heappush(ready, (req.arrival * time_scale, len(ready), req))
@@ -424,7 +427,7 @@ def schedule_bench(trace: str, cost: AnalyticCost | LinearCost, load: float = 0.
     buckets = LengthBuckets(config.bucket_edges)
     out: dict[str, Any] = {"trace": trace, "requests": len(requests), "cost_model": cost.describe(),  # type: ignore[attr-defined]
                            "load": load, "time_scale": round(scale, 6), "bucket_edges": list(config.bucket_edges),
-                           "policies": {}}
+                           "stagger_s": stagger_s, "closed_sessions": config.closed_sessions, "policies": {}}
     cdfs: dict[str, list[float]] = {}
     for policy in policies:
         start = time.perf_counter()

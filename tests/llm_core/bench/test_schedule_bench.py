@@ -115,3 +115,15 @@ def test_the_bench_reports_every_policy_and_bucket(tmp_path: Path, capsys) -> No
     assert out["cost_model"]["name"] == "mimo-v2.5-pro-h200" and plot.stat().st_size > 0
     assert "compute_aware_vs_fcfs" in out
 
+
+
+def test_a_closed_session_waits_for_its_answer_an_open_one_does_not() -> None:
+    # Two turns of one session, the second sent 0.1 s after the first: far
+    # sooner than the first's 200 output tokens take to decode.
+    first = TraceRequest(0.0, tuple(("s", k) for k in range(8)), 512, 4096, 200, "s")
+    second = TraceRequest(0.1, tuple(("s", k) for k in range(10)), 512, 5120, 20, "s")
+    closed = replay([first, second], COST, ReplayConfig(full_tokens=1_000_000))
+    opened = replay([first, second], COST, ReplayConfig(full_tokens=1_000_000, closed_sessions=False))
+    assert closed.times[1].arrival >= closed.times[0].finished  # type: ignore[operator]
+    assert opened.times[1].arrival == pytest.approx(0.1)
+    assert opened.times[1].first_token < opened.times[0].finished  # type: ignore[operator]
