@@ -13,10 +13,7 @@ on both pools, chunking, budgets, preemption, cache locks).
   first), and if it does not fit nothing is admitted past it until it does
   (a reservation). So no request waits longer than ``starvation_s`` plus the
   time to serve the starved requests ahead of it and for running requests
-  to free what it needs. A step that finishes some prefills of a bucket takes
-  at most as many tokens again of that bucket's prefills it does not finish:
-  a first token comes at the end of its step, so work that finishes no one
-  must not double the wait of those it does (the cut work runs next step).
+  to free what it needs.
 * ``lpm``: longest cached prefix first (SGLang's default), with the same
   skipping, starvation bound and reservation; one budget for all lengths.
 
@@ -64,10 +61,6 @@ class SchedulePolicy(Protocol):
     name: str
     needs_cached_lengths: bool  # whether ``order`` reads ``Waiting.cached``/``tokens_left`` from the cache
     shares_budget_by_length: bool  # whether each step's prefill budget is shared between length buckets
-    # Whether a step that finishes some prefills takes at most as many tokens
-    # again of prefills it does not finish (per bucket): a first token comes at
-    # the end of its step, so work that finishes no one must not stretch it.
-    finishes_first: bool
 
     def order(self, waiting: Seq[Waiting]) -> list[int]:
         """Request ids in the order admission tries them."""
@@ -91,7 +84,6 @@ class Fcfs:
     name: str = "fcfs"
     needs_cached_lengths: bool = False
     shares_budget_by_length: bool = False
-    finishes_first: bool = False
 
     def order(self, waiting: Seq[Waiting]) -> list[int]:
         return [w.request_id for w in sorted(waiting, key=lambda w: (w.arrival, w.request_id))]
@@ -112,7 +104,6 @@ class ComputeAware:
     name: str = "compute-aware"
     needs_cached_lengths: bool = True
     shares_budget_by_length: bool = True
-    finishes_first: bool = True
 
     def __post_init__(self) -> None:
         if self.aging_tokens_per_s < 0 or self.starvation_s <= 0:
@@ -139,7 +130,6 @@ class LongestPrefixMatch:
     name: str = "lpm"
     needs_cached_lengths: bool = True
     shares_budget_by_length: bool = False
-    finishes_first: bool = False
 
     def order(self, waiting: Seq[Waiting]) -> list[int]:
         return _starved_first(waiting, self.starvation_s, lambda w: -w.cached)

@@ -212,10 +212,6 @@ class Scheduler:
         else:
             left = [budget]
         scheduled: set[int] = set()
-        # Tokens of chunks that finish a prefill (they sample this step) and of
-        # those that do not, per share: see ``SchedulePolicy.finishes_first``.
-        finishing = [0] * len(left)
-        partial = [0] * len(left)
 
         def take(chunk: ScheduledChunk) -> None:
             nonlocal budget
@@ -223,11 +219,6 @@ class Scheduler:
             scheduled.add(chunk.seq.request_id)
             budget -= chunk.length
             left[share_of(chunk.seq)] -= chunk.length
-            (finishing if chunk.samples else partial)[share_of(chunk.seq)] += chunk.length
-
-        def partial_cap(seq: Sequence) -> int | None:
-            b = share_of(seq)
-            return finishing[b] - partial[b] if self.policy.finishes_first and finishing[b] else None
 
         for shared in (True, False):
             reserved = False
@@ -238,18 +229,17 @@ class Scheduler:
                 if seq.request_id in scheduled or n < 1:
                     continue  # scheduled already, or its bucket's share is spent (the second round may take it)
                 if seq.is_running:
-                    chunk, _ = self._prefill_chunk(seq, n, partial_cap(seq))
-                    if chunk is not None:
+                    if chunk := self._prefill_chunk(seq, n):
                         take(chunk)
                     continue
                 if reserved or len(self.running) >= self.config.max_running_requests:
                     continue  # no admission past a reservation, or no room to run more
-                chunk, fits = self._prefill_chunk(seq, n, partial_cap(seq))
+                chunk = self._prefill_chunk(seq, n)
                 if chunk is None:
                     # Not admitted: it must not pin the cached prefix it matched, or
                     # the running requests could not evict those pages to grow.
                     self._unpin(seq)
-                    if seq.loading or fits or not self.policy.reserves(info):
+                    if seq.loading or not self.policy.reserves(info):
                         continue  # skipped, not waited on: the next one may fit
                     reserved = True  # it has waited long enough: nothing is admitted past it
                     continue
@@ -317,25 +307,16 @@ class Scheduler:
         """Whether a waiting request waits for its prefix to come from disk."""
         return any(seq.loading for seq in self.waiting)
 
-    def _prefill_chunk(self, seq: Sequence, budget: int,
-                       partial_cap: int | None = None) -> tuple[ScheduledChunk | None, bool]:
-        """The next chunk of ``seq`` within ``budget`` (at most ``partial_cap``
-        tokens unless it finishes the prefill), and whether memory had room
-        for it (False: it did not fit)."""
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
         if self.cache is not None and seq.cache_lock is None:
             self._match_prefix(seq)
             if seq.loading:
-                return None, True
-        todo = seq.num_tokens - seq.num_computed
-        n = min(todo, self.config.chunked_prefill_size, budget)
-        if n < todo and partial_cap is not None:
-            n = min(n, partial_cap)
-        if n < 1:
-            return None, True
-        if not self._has_room(seq.view, seq.num_computed + n):
-            return None, False
+                return None
+        n = min(seq.num_tokens - seq.num_computed, self.config.chunked_prefill_size, budget)
+        if n < 1 or not self._has_room(seq.view, seq.num_computed + n):
+            return None
         self.allocator.grow(seq.view, seq.num_computed + n)
-        return ScheduledChunk(seq, seq.num_computed, n), True
+        return ScheduledChunk(seq, seq.num_computed, n)
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Reuse the longest window-safe cached prefix: no copy, no prefill."""

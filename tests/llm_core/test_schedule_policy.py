@@ -225,19 +225,3 @@ def test_a_long_prefill_keeps_moving_under_a_burst_of_short_requests() -> None:
     _step(without)
     assert other.num_computed == before  # one budget: the short ones take it all
 
-
-@pytest.mark.parametrize("policy", ["fcfs", "compute-aware"])
-def test_a_step_that_finishes_a_prefill_is_not_stretched_by_one_it_does_not(policy: str) -> None:
-    scheduler = _bucketed(policy, ())
-    long = _seq(0, 1000, scheduler)
-    scheduler.add(long)
-    assert [c.length for c in _step(scheduler)] == [64]  # finishing no one: the whole budget
-    short = _seq(1, 20, scheduler)
-    scheduler.add(short)
-    lengths = {c.seq.request_id: c.length for c in _step(scheduler)}
-    if policy == "compute-aware":
-        # The short one's first token comes at the end of this step: the long
-        # prefill adds at most as many tokens again.
-        assert lengths == {1: 20, 0: 20} and short.answered
-    else:
-        assert lengths == {0: 64}
