@@ -145,8 +145,8 @@ def _starved_first(waiting: Seq[Waiting], starvation_s: float, key: Callable[[Wa
     """Requests that have waited ``starvation_s`` first, oldest first; then
     the rest by ``key``. Without this a long request passed over by a stream
     of cheaper ones would wait until its aging credit alone lifted it."""
-    return [w.request_id for w in sorted(waiting, key=lambda w: (0, w.arrival, 0.0, w.request_id)
-                                         if w.waited_s >= starvation_s else (1, 0.0, key(w), w.request_id))]
+    return [w.request_id for w in sorted(waiting, key=lambda w: (0, w.arrival, w.request_id)
+                                         if w.waited_s >= starvation_s else (1, key(w), w.arrival, w.request_id))]
 
 
 POLICIES = ("compute-aware", "fcfs", "lpm")

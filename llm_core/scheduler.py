@@ -253,12 +253,8 @@ class Scheduler:
         """Running prefills and waiting requests in the order the policy
         serves them (a running one's work left is what it has not computed)."""
         now = self.clock()
-        infos = {seq.request_id: (seq, self._waiting(seq, now)) for seq in self.waiting}
-        for seq in self.running:
-            if not seq.in_decode:
-                arrival = now if seq.arrival is None else seq.arrival
-                infos[seq.request_id] = (seq, Waiting(seq.request_id, arrival, now - arrival,
-                                                      seq.num_tokens - seq.num_computed, seq.num_computed))
+        prefilling = [seq for seq in self.running if not seq.in_decode]
+        infos = {seq.request_id: (seq, self._waiting(seq, now)) for seq in (*self.waiting, *prefilling)}
         return [infos[rid] for rid in self.policy.order([info for _, info in infos.values()])]
 
     def _bucket(self, seq: Sequence) -> int:
@@ -273,7 +269,11 @@ class Scheduler:
             self.queue_wait[self._bucket(seq)].observe(self.clock() - seq.arrival)
 
     def _waiting(self, seq: Sequence, now: float) -> Waiting:
-        cached = self._cached_length(seq) if self.policy.needs_cached_lengths else 0
+        """How the policy sees ``seq`` (a running prefill: its computed prefix as cached)."""
+        if seq.is_running:
+            cached = seq.num_computed
+        else:
+            cached = self._cached_length(seq) if self.policy.needs_cached_lengths else 0
         arrival = now if seq.arrival is None else seq.arrival
         return Waiting(seq.request_id, arrival, now - arrival, seq.num_tokens - max(cached, seq.num_computed), cached)
 
