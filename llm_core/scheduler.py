@@ -2,9 +2,10 @@
 
 Each step: every running request in decode gets one token; requests still
 prefilling get the next chunk of their prompt; waiting requests are admitted
-while the token budget, the running limit and both pools allow. When a
-decode cannot get memory, the most recently admitted request is preempted
-by recompute (its KV is freed and it goes back to the front of the queue).
+in policy order (``schedule_policy.py``) while the token budget, the
+running limit and both pools allow. When a decode cannot get memory, a
+request the policy picks is preempted by recompute (its KV is freed, its
+computed prefix stays cached, and it waits again).
 No torch here: the engine turns the schedule into a forward batch.
 """
 
@@ -12,8 +13,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from llm_core.kv_pool import KVAllocator, SequenceView
@@ -118,6 +118,34 @@ class SchedulerConfig:
         LengthBuckets(self.bucket_edges)  # validates
 
 
+class RequestQueue:
+    """Requests in the order they were put in, with O(1) append, removal and
+    membership by request id (a list's ``remove`` and ``in`` would make a
+    step O(B^2) over B requests). Policies order admission; this order only
+    breaks no ties."""
+
+    def __init__(self) -> None:
+        self._seqs: dict[int, Sequence] = {}
+
+    def append(self, seq: Sequence) -> None:
+        self._seqs[seq.request_id] = seq
+
+    def remove(self, seq: Sequence) -> None:
+        del self._seqs[seq.request_id]
+
+    def first(self) -> Sequence:
+        return next(iter(self._seqs.values()))
+
+    def __contains__(self, seq: object) -> bool:
+        return isinstance(seq, Sequence) and self._seqs.get(seq.request_id) is seq
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._seqs.values())
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+
 # Upper bounds (seconds) of the queue-wait and TTFT histograms.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -151,8 +179,8 @@ class Scheduler:
         self.cache = cache
         self.policy = make_policy(config.policy)
         self.clock = clock
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting = RequestQueue()
+        self.running = RequestQueue()
         self.num_preemptions = 0
         self._steps = 0
         self.buckets = LengthBuckets(config.bucket_edges)
@@ -191,7 +219,7 @@ class Scheduler:
             self.preempt(self._victim())
             return self.schedule()
         if not chunks and self.has_unfinished():
-            raise RequestTooLarge((self.running or list(self.waiting))[0])
+            raise RequestTooLarge((self.running or self.waiting).first())
         return chunks
 
     def _prefills(self, budget: int, chunks: list[ScheduledChunk]) -> int:
@@ -361,12 +389,13 @@ class Scheduler:
         return self.allocator.can_grow(view, new_len)
 
     def _grow_or_preempt(self, seq: Sequence, new_len: int, chunks: list[ScheduledChunk]) -> bool:
-        scheduled = {c.seq.request_id for c in chunks}
-        while not self._has_room(seq.view, new_len):
-            victim = self._victim(scheduled)
-            self.preempt(victim)
-            if victim is seq:
-                return False
+        if not self._has_room(seq.view, new_len):
+            scheduled = {c.seq.request_id for c in chunks}  # built only when a victim is needed
+            while not self._has_room(seq.view, new_len):
+                victim = self._victim(scheduled)
+                self.preempt(victim)
+                if victim is seq:
+                    return False
         self.allocator.grow(seq.view, new_len)
         return True
 
@@ -383,7 +412,7 @@ class Scheduler:
         seq.num_computed = seq.num_drafts = seq.mtp_done = 0
         self.running.remove(seq)
         seq.is_running = False
-        self.waiting.appendleft(seq)
+        self.waiting.append(seq)  # its arrival, not its place here, puts it ahead under FCFS
         self.num_preemptions += 1
 
     def commit(self, chunk: ScheduledChunk, accepted: int = 0) -> None:

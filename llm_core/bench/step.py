@@ -81,8 +81,9 @@ def _engine_at(model: MiMoV2ForCausalLM, context: int, running: int, steps: int)
         prompt = [(i * 7919 + j * 31) % (vocab - 3) + 3 for j in range(context)]
         engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
     scheduler = engine.scheduler
-    while scheduler.waiting:
-        _prefilled(engine, scheduler.waiting.popleft())
+    for seq in list(scheduler.waiting):
+        scheduler.waiting.remove(seq)
+        _prefilled(engine, seq)
     return engine
 
 

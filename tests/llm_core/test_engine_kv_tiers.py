@@ -133,7 +133,7 @@ def test_a_request_waiting_for_disk_does_not_hold_up_the_others(
     events = llm.step()
     # The first step runs the other request; the first waits for its prefix to come from disk.
     assert {e.request_id for e in events} == {other}
-    assert llm.engine.scheduler.waiting[0].request_id == from_disk
+    assert llm.engine.scheduler.waiting.first().request_id == from_disk
     tokens: dict[int, list[int]] = {from_disk: [], other: []}
     for e in events:
         tokens[e.request_id].append(e.token)

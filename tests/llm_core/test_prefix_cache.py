@@ -259,7 +259,7 @@ def test_a_preempted_request_resumes_from_its_cached_prefix() -> None:
     scheduler.advance(scheduler.schedule())
     assert seq.num_computed == 42
     scheduler.preempt(seq)
-    assert seq.num_computed == 0 and scheduler.waiting[0] is seq
+    assert seq.num_computed == 0 and scheduler.waiting.first() is seq
     chunks = scheduler.schedule()
     # Back from the cache: what was computed, up to the last page before the
     # newest token (which must run to give the next logits), is not recomputed;

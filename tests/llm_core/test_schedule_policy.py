@@ -82,6 +82,25 @@ def test_a_request_that_does_not_fit_is_skipped_not_waited_on(policy: str) -> No
     assert [c.seq.request_id for c in fcfs.schedule()] == [0]
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "compute-aware"])
+def test_a_preempted_request_is_served_again_before_later_arrivals(policy: str) -> None:
+    clock = _Clock()
+    scheduler = _scheduler(policy, clock=clock)
+    first = _seq(0, 150, scheduler)
+    scheduler.add(first)
+    scheduler.advance(scheduler.schedule())
+    clock.now = 1.0
+    later = _seq(1, 150, scheduler)
+    scheduler.add(later)  # does not fit beside the first
+    scheduler.preempt(first)
+    assert first not in scheduler.running and first in scheduler.waiting and len(scheduler.waiting) == 2
+    # Under either policy the first goes again (earlier, and its prefix is cached), the later one waits.
+    assert [c.seq.request_id for c in scheduler.schedule()] == [0]
+    assert first in scheduler.running and later in scheduler.waiting
+    scheduler.finish(later, "abort")
+    assert later not in scheduler.waiting and len(scheduler.waiting) == 0
+
+
 def test_a_long_request_waits_at_most_the_aging_bound_under_a_stream_of_short_ones() -> None:
     clock = _Clock()
     scheduler = _scheduler("compute-aware", full_tokens=4096, max_running=1, clock=clock)
