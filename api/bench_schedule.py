@@ -47,31 +47,42 @@ DECODE_BATCHES = (1, 4, 16, 32)
 DECODE_CONTEXTS = (64, 512, 2048)
 
 
-def _timed_steps(llm: LLM, steps: int) -> list[tuple[StepShape, float]]:
-    """Run ``steps`` engine steps; each one's shape and wall time."""
-    engine = llm.engine
-    window = engine.window
-    captured: list[list[ScheduledChunk]] = []
-    schedule = engine.scheduler.schedule
+class _StepTimer:
+    """Times ``engine.step()`` calls and records each step's shape: the
+    samples the ``calibrated`` cost model is fitted on."""
 
-    def capture() -> list[ScheduledChunk]:
-        captured.append(schedule())
-        return captured[-1]
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.engine
+        self.samples: list[tuple[StepShape, float]] = []
+        self._chunks: list[ScheduledChunk] = []
+        self._schedule = self.engine.scheduler.schedule
 
-    engine.scheduler.schedule = capture  # type: ignore[method-assign]
-    samples = []
-    try:
-        for _ in range(steps):
-            if not engine.scheduler.has_unfinished():
-                break
+    def _capture(self) -> list[ScheduledChunk]:
+        self._chunks = self._schedule()
+        return self._chunks
+
+    def step(self) -> list[Any]:
+        self._chunks = []
+        self.engine.scheduler.schedule = self._capture  # type: ignore[method-assign]
+        try:
             start = time.perf_counter()
-            engine.step()
+            events = self.engine.step()
             seconds = time.perf_counter() - start
-            if captured and captured[-1]:
-                samples.append((step_shape(captured[-1], window), seconds))
-    finally:
-        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
-    return samples
+        finally:
+            self.engine.scheduler.schedule = self._schedule  # type: ignore[method-assign]
+        if self._chunks:
+            self.samples.append((step_shape(self._chunks, self.engine.window), seconds))
+        return events
+
+
+def _timed_steps(llm: LLM, steps: int) -> list[tuple[StepShape, float]]:
+    """Run up to ``steps`` engine steps; each one's shape and wall time."""
+    timer = _StepTimer(llm)
+    for _ in range(steps):
+        if not llm.engine.scheduler.has_unfinished():
+            break
+        timer.step()
+    return timer.samples
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -157,11 +168,14 @@ def _engine_tokens(prompt: list[int], vocab: int) -> list[int]:
     return [(t * 2654435761 + 12345) % (vocab - 3) + 3 for t in prompt]
 
 
-def engine_replay(llm: LLM, requests: list[TraceRequest], time_scale: float) -> list[RequestTimes]:
+def engine_replay(llm: LLM, requests: list[TraceRequest], time_scale: float,
+                  steps: list[tuple[StepShape, float]] | None = None) -> list[RequestTimes]:
     """Serve the trace on the real engine, on the wall clock: a request is
     added once its (scaled) arrival has passed and its session's previous
-    request is answered; TTFT from that arrival to its first token event."""
+    request is answered; TTFT from that arrival to its first token event.
+    Each step's shape and wall time go to ``steps`` if given."""
     engine = llm.engine
+    timer = _StepTimer(llm)
     vocab = engine.model.config.vocab_size
     factory = TokenFactory()
     by_session: dict[str, list[TraceRequest]] = {}
@@ -191,7 +205,7 @@ def engine_replay(llm: LLM, requests: list[TraceRequest], time_scale: float) -> 
             upcoming = [released[n] for n, reqs in by_session.items() if heads[n] < len(reqs)]
             time.sleep(max(0.0, min(upcoming) - now))
             continue
-        for event in engine.step():
+        for event in timer.step():
             name, record = live[event.request_id]
             at = time.perf_counter() - start
             if record.first_token is None:
@@ -202,14 +216,19 @@ def engine_replay(llm: LLM, requests: list[TraceRequest], time_scale: float) -> 
                 reqs = by_session[name]
                 if heads[name] < len(reqs):
                     released[name] = max(reqs[heads[name]].arrival * time_scale, at)
+    if steps is not None:
+        steps += timer.samples
     return times
 
 
 def engine_comparison(trace: str, load: float = 0.8, log: Callable[[str], None] | None = None,
                       sessions: int = ENGINE_SESSIONS, turns: int = ENGINE_TURNS) -> dict[str, Any]:
     """compute-aware against FCFS on a scaled-down agentic trace, on the real
-    engine (wall clock) and in the replay with the calibrated cost model, at
-    the same time scale: the P90 improvement of each."""
+    engine (wall clock) and in the replay, at the same time scale: the P90
+    improvement of each. The time scale comes from the ``calibrated`` cost
+    model fitted before the engine runs; the replay's cost model is fitted on
+    the steps the engine ran in them (both policies'), so the replay models
+    the machine as it was during the runs, not minutes before."""
     say = log or (lambda _msg: None)
     requests = scaled_trace(load_trace(trace), sessions, turns)
     cost = calibrated_cost(say)
@@ -235,14 +254,19 @@ def engine_comparison(trace: str, load: float = 0.8, log: Callable[[str], None] 
         scale = calibrate_load(requests, cost, load, replay_config, say)
         result: dict[str, Any] = {"trace": trace, "requests": len(requests), "sessions": sessions,
                                   "token_divisor": TOKEN_DIVISOR, "load": load, "time_scale": round(scale, 6),
-                                  "cost_model": cost.describe(), "engine": {}, "sim": {}}
+                                  "load_cost_model": cost.describe(), "engine": {}, "sim": {}}
+        steps: list[tuple[StepShape, float]] = []
         for policy in ("fcfs", "compute-aware"):
-            config_p = dataclasses.replace(replay_config, policy=policy)
-            result["sim"][policy] = summarize(replay(requests, cost, config_p, scale).times)
             say(f"engine replay: {policy}")
             llm = probe if policy == "fcfs" else llm_for(policy)
-            result["engine"][policy] = summarize(engine_replay(llm, requests, scale))
+            result["engine"][policy] = summarize(engine_replay(llm, requests, scale, steps))
             llm.close()
+    fitted = LinearCost.fit(steps, name="calibrated on the engine replay's steps")
+    result["cost_model"] = fitted.describe()
+    result["engine_steps"] = len(steps)
+    for policy in ("fcfs", "compute-aware"):
+        result["sim"][policy] = summarize(replay(requests, fitted, dataclasses.replace(replay_config, policy=policy),
+                                                 scale).times)
     for side in ("engine", "sim"):
         fcfs, ours = result[side]["fcfs"]["ttft_p90_s"], result[side]["compute-aware"]["ttft_p90_s"]
         result[f"p90_improvement_{side}"] = round(1 - ours / fcfs, 4) if fcfs else 0.0

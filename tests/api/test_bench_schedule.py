@@ -41,7 +41,12 @@ def test_the_engine_replay_serves_every_request_in_session_order(tmp_path: Path)
     config = dataclasses.replace(demo_llm_config(VOCAB, 1), max_position_embeddings=512)
     model = write_random_checkpoint(tmp_path / "model", config, seed=0)
     llm = LLM(model, page_size=8, speculative_tokens=0)
-    times = engine_replay(llm, requests, time_scale=0.05)
+    steps: list[tuple[StepShape, float]] = []
+    times = engine_replay(llm, requests, time_scale=0.05, steps=steps)
+    # Every step it ran is recorded for the replay's cost model: all prompt tokens not cached, one row per output.
+    assert sum(shape.prefill_tokens for shape, _ in steps) <= sum(t.prompt_tokens for t in times)
+    assert sum(shape.rows for shape, _ in steps) >= sum(t.output_tokens for t in times)
+    assert all(seconds > 0 for _, seconds in steps)
     assert len(times) == 6 and all(t.first_token is not None and t.finished is not None for t in times)
     assert all(t.first_token >= t.arrival for t in times)  # type: ignore[operator]
     # A session's next turn is sent only once its previous one is answered:
