@@ -217,8 +217,10 @@ class ReplayConfig:
     swa_fraction: float = 0.05
     window: int = MIMO_WINDOW
     checkpoint_interval: int | None = 4096
-    max_num_batched_tokens: int = 16384
-    chunked_prefill_size: int = 16384
+    # SGLang's default step budget on an H200 (8K): at 16K a step that carries
+    # a full prefill chunk lasts about 0.33 s, and so does every decode in it.
+    max_num_batched_tokens: int = 8192
+    chunked_prefill_size: int = 8192
     max_running_requests: int = 256
     bucket_edges: tuple[int, ...] = LengthBuckets.for_context(1 << 20).edges  # MiMo-V2.5-Pro's 1M context
     # A session's request is sent only once its previous one is answered (an
