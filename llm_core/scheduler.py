@@ -121,8 +121,8 @@ class SchedulerConfig:
 class RequestQueue:
     """Requests in the order they were put in, with O(1) append, removal and
     membership by request id (a list's ``remove`` and ``in`` would make a
-    step O(B^2) over B requests). Policies order admission; this order only
-    breaks no ties."""
+    step O(B^2) over B requests). Policies order admission and pick victims:
+    no decision depends on this order."""
 
     def __init__(self) -> None:
         self._seqs: dict[int, Sequence] = {}

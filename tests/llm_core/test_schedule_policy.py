@@ -243,4 +243,3 @@ def test_a_long_prefill_keeps_moving_under_a_burst_of_short_requests() -> None:
     before = other.num_computed
     _step(without)
     assert other.num_computed == before  # one budget: the short ones take it all
-

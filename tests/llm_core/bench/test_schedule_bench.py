@@ -116,7 +116,6 @@ def test_the_bench_reports_every_policy_and_bucket(tmp_path: Path, capsys) -> No
     assert "compute_aware_vs_fcfs" in out
 
 
-
 def test_a_closed_session_waits_for_its_answer_an_open_one_does_not() -> None:
     # Two turns of one session, the second sent 0.1 s after the first: far
     # sooner than the first's 200 output tokens take to decode.
