@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llm_core.kv_events import KVEventLog
 from llm_core.kv_pool import FullKVPool, KVAllocator, SWAKVPool
 from llm_core.kv_tiers import TIERS, KVTiers, Tier, TierConfig, token_bytes
 from llm_core.prefix_cache import PageKey, RadixCache
@@ -78,6 +79,7 @@ class CacheSimulator:
         host_tokens: int = 0,
         disk_tokens: int = 0,
         swa_token_cost: float = 1.0,
+        events: KVEventLog | None = None,
     ) -> None:
         mode = "full" if policy == "keep_all" else "hybrid"
         self.page_size = page_size
@@ -90,7 +92,8 @@ class CacheSimulator:
             unit = TIER_UNIT
             config = TierConfig(host_tokens * unit, disk_tokens * unit, page_size * unit,
                                 max(1, round(swa_token_cost * unit)))
-            self.tiers = KVTiers(config, ShadowTierIO(self._shadow) if self._shadow is not None else None)
+            self.tiers = KVTiers(config, ShadowTierIO(self._shadow) if self._shadow is not None else None,
+                                 events.record_tier_key if events is not None else None)
         self.cache = RadixCache(
             self.allocator,
             checkpoint_interval,
@@ -98,6 +101,7 @@ class CacheSimulator:
             prompt_checkpoints=policy != "no_checkpoints",
             tiers=self.tiers,
             key_bytes=_first_token_bytes if page_identity == "first_token" else token_bytes,
+            events=events,
         )
         self.scheduler = Scheduler(self.allocator, SchedulerConfig(1, chunk, chunk), self.cache)
         self.result = SimResult()

@@ -27,6 +27,7 @@ from llm_core.paged_attention import (
     paged_attention_torch,
     paged_decode_attention_torch,
 )
+from llm_core.kv_events import KVEventLog
 from llm_core.kv_store import DiskKVStore, HostKVPool
 from llm_core.kv_tiers import KVTiers, TierConfig, model_fingerprint
 from llm_core.schedule_policy import LengthBuckets
@@ -223,7 +224,10 @@ def compiled_decode_logits(backend: str = "inductor") -> DecodeForwardFn:
 
 
 class Engine:
-    def __init__(self, model: MiMoV2ForCausalLM, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, model: MiMoV2ForCausalLM, config: EngineConfig, device: torch.device,
+                 kv_events: KVEventLog | None = None) -> None:
+        """``kv_events``: the prefix cache and its tiers record there what they
+        hold (for a router); a new engine starts a new epoch of it."""
         self.model = model
         self.config = config
         self.device = device
@@ -258,7 +262,13 @@ class Engine:
         longest = min(mc.max_position_embeddings, self.allocator.full.capacity)
         self.block_table = BlockTable(-(-longest // config.page_size), device, config.max_running_requests)
         self.tier_io: EngineTierIO | None = None
-        self.cache = self._build_cache(dtype) if config.enable_prefix_caching else None
+        self.kv_events = kv_events
+        if kv_events is not None:
+            kv_events.reset()
+        # Addresses are needed by the tiers and by a router; a digest of the weights costs a gather per tensor.
+        addressed = config.enable_prefix_caching and (config.kv_host_bytes > 0 or kv_events is not None)
+        self.fingerprint = self._fingerprint(dtype) if addressed else None
+        self.cache = self._build_cache() if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator,
             SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size,
@@ -283,20 +293,26 @@ class Engine:
         self._spans: dict[int, tuple[MultimodalSpan, ...]] = {}
         self._next_id = 0
 
-    def _build_cache(self, dtype: torch.dtype) -> RadixCache:
+    def _fingerprint(self, dtype: torch.dtype) -> bytes:
+        """The root of the page address chain: pages are comparable only for
+        the same weights, KV layout and dtype."""
+        return model_fingerprint(json.dumps(asdict(self.model.config), sort_keys=True, default=str),
+                                 model_weights_digest(self.model), str(dtype), str(self.config.page_size),
+                                 f"mtp={self.kv.draft_depths}", str(sorted(self.kv.shapes.items())))
+
+    def _build_cache(self) -> RadixCache:
         """The radix cache, with host and disk tiers under it when configured."""
         config = self.config
+        events = self.kv_events
         if not config.kv_host_bytes:
-            return RadixCache(self.allocator, config.checkpoint_interval)
+            return RadixCache(self.allocator, config.checkpoint_interval, fingerprint=self.fingerprint,
+                              events=events)
         largest = config.page_size * (self.kv.full_bytes_per_token + self.kv.swa_bytes_per_token)
         if config.kv_host_bytes < largest:
             raise ValueError(f"kv_host_bytes={config.kv_host_bytes} cannot hold one page of full and SWA KV "
                              f"({largest} bytes)")
-        mc = self.model.config
-        # Pages are comparable only for the same weights, KV layout and dtype.
-        fingerprint = model_fingerprint(json.dumps(asdict(mc), sort_keys=True, default=str),
-                                        model_weights_digest(self.model), str(dtype), str(config.page_size),
-                                        f"mtp={self.kv.draft_depths}", str(sorted(self.kv.shapes.items())))
+        fingerprint = self.fingerprint
+        assert fingerprint is not None
         tier_config = TierConfig(config.kv_host_bytes, config.kv_disk_bytes,
                                  config.page_size * self.kv.full_bytes_per_token, self.kv.swa_bytes_per_token)
         host = HostKVPool(config.kv_host_bytes, pin_memory=self.device.type == "cuda")
@@ -305,10 +321,11 @@ class Engine:
         disk = DiskKVStore(config.kv_disk_dir, 2 * config.kv_disk_bytes + (1 << 20), fingerprint) \
             if config.kv_disk_bytes else None
         self.tier_io = EngineTierIO(self.kv, host, disk, layerwise_restore=config.kv_restore_layerwise)
-        tiers = KVTiers(tier_config, self.tier_io)
+        tiers = KVTiers(tier_config, self.tier_io, events.record_tier_key if events is not None else None)
         if disk is not None:
             tiers.adopt_disk_entries((key, entry.tokens) for key, entry in disk.entries())
-        return RadixCache(self.allocator, config.checkpoint_interval, tiers=tiers, fingerprint=fingerprint)
+        return RadixCache(self.allocator, config.checkpoint_interval, tiers=tiers, fingerprint=fingerprint,
+                          events=events)
 
     def close(self, persist: bool = True) -> None:
         """Write what only host memory holds to the disk tier (``persist``), and

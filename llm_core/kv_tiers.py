@@ -117,14 +117,20 @@ class TierStats:
     dropped_entries: int = 0  # evicted from the last tier
 
 
+# Told of every entry added or removed: (tier, key, what it holds: 1 for a
+# full page, its positions for SWA; 0 once removed).
+TierChange = Callable[[Tier, bytes, int], None]
+
+
 class TierIndex:
     """One tier's entries in LRU order (oldest first), under a byte budget."""
 
-    def __init__(self, name: Tier, capacity_bytes: int) -> None:
+    def __init__(self, name: Tier, capacity_bytes: int, on_change: TierChange | None = None) -> None:
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (bytes, tokens)
+        self._on_change = on_change
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
@@ -141,15 +147,21 @@ class TierIndex:
         return self._entries[key]
 
     def add(self, key: bytes, nbytes: int, tokens: int) -> None:
-        self.remove(key)
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.used_bytes -= entry[0]
         self._entries[key] = (nbytes, tokens)
         self.used_bytes += nbytes
+        if self._on_change is not None:
+            self._on_change(self.name, key, tokens if key[ADDRESS_BYTES:] == SWA else 1)
 
     def remove(self, key: bytes) -> bool:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
         self.used_bytes -= entry[0]
+        if self._on_change is not None:
+            self._on_change(self.name, key, 0)
         return True
 
     def touch(self, key: bytes) -> None:
@@ -166,11 +178,12 @@ class TierIndex:
 class KVTiers:
     """Demotion, spilling, eviction and restores for the host and disk tiers."""
 
-    def __init__(self, config: TierConfig, io: TierIO | None = None) -> None:
+    def __init__(self, config: TierConfig, io: TierIO | None = None, on_change: TierChange | None = None) -> None:
+        """``on_change`` hears of every entry added to or removed from either tier."""
         self.config = config
         self.io = io
-        self.host = TierIndex("host", config.host_bytes)
-        self.disk = TierIndex("disk", config.disk_bytes)
+        self.host = TierIndex("host", config.host_bytes, on_change)
+        self.disk = TierIndex("disk", config.disk_bytes, on_change)
         self.stats = TierStats()
         self.loading: set[bytes] = set()  # disk entries being read into host memory
         self.from_disk: set[bytes] = set()  # host entries a prefetch brought: their hits count as disk hits

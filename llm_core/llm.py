@@ -11,6 +11,7 @@ import torch
 
 from llm_core.config import ModelConfig
 from llm_core.engine import Engine, EngineConfig, TokenEvent
+from llm_core.kv_events import KVEventLog
 from llm_core.multimodal import MultimodalSpan, check_spans
 from llm_core.sampling import SamplingParams
 from llm_core.tokenizer import Tokenizer
@@ -38,6 +39,7 @@ class LLM:
         model: str | Path,
         device: str = "cpu",
         dtype: str = "float32",
+        kv_events: KVEventLog | None = None,
         **engine_options: Any,
     ) -> None:
         """``engine_options`` are ``EngineConfig`` fields: ``kv_budget_bytes``,
@@ -51,7 +53,8 @@ class LLM:
         ``kv_host_bytes``, ``kv_disk_bytes``, ``kv_disk_dir`` (KV tiers under
         the device pools; ``close()`` writes host-only entries to disk) and
         ``kv_restore_layerwise`` (host restores beside the forward, layer by
-        layer; default on CUDA)."""
+        layer; default on CUDA). ``kv_events``: the prefix cache records what it
+        holds there, for a router (a rebuilt engine starts a new epoch)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.model_dir = Path(model)
@@ -60,7 +63,8 @@ class LLM:
         self.config: ModelConfig = self.model.config
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         engine_config = EngineConfig(**engine_options)
-        self.engine = Engine(self.model, engine_config, self.device)
+        self.kv_events = kv_events
+        self.engine = Engine(self.model, engine_config, self.device, kv_events)
 
     def close(self) -> None:
         """Finish the KV tiers' disk writes (a later process over the same
@@ -170,7 +174,7 @@ class LLM:
         config = self.engine.config
         self.engine.close(persist=False)  # disk writes finish; host entries made before the fault are dropped
         del self.engine  # its KV tensors go before the new ones are allocated
-        self.engine = Engine(self.model, config, self.device)
+        self.engine = Engine(self.model, config, self.device, self.kv_events)
 
     def _decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)

@@ -30,8 +30,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from llm_core.kv_events import KVEventLog
 from llm_core.kv_pool import KVAllocator, SequenceView
 from llm_core.kv_tiers import FULL, SWA, TIERS, KVTiers, Tier, model_fingerprint, page_address, token_bytes
+from llm_core.router import CacheGeometry
 
 PageKey = Hashable  # tuple of a page's token ids (engine) or a block identity (trace)
 
@@ -120,6 +122,7 @@ class RadixCache:
         tiers: KVTiers | None = None,
         fingerprint: bytes | None = None,
         key_bytes: Callable[[PageKey], bytes] = token_bytes,
+        events: KVEventLog | None = None,
     ) -> None:
         """``keep_all_swa`` keeps SWA KV for every cached token (required when
         SWA layers keep the whole sequence, ``swa_mode="full"``);
@@ -127,7 +130,10 @@ class RadixCache:
         ``prompt_checkpoints=False`` keeps SWA only where requests finish
         (together: the tombstones-without-checkpoints baseline).
         ``tiers``: host/disk tiers under the device, pages addressed by a hash
-        chain seeded with ``fingerprint`` over ``key_bytes`` of each page key."""
+        chain seeded with ``fingerprint`` over ``key_bytes`` of each page key.
+        ``events``: every page stored or dropped and every checkpoint window's
+        SWA kept or dropped is recorded there (pages are then addressed even
+        without tiers), for a router."""
         self.allocator = allocator
         self.page_size = allocator.full.page_size
         self.window_tokens = max(allocator.window - 1, 0)  # W
@@ -137,6 +143,7 @@ class RadixCache:
         self.prompt_checkpoints = prompt_checkpoints
         self.tiers = tiers if tiers is not None and tiers.config.enabled else None
         self.key_bytes = key_bytes
+        self.events = events
         self.root = RadixNode(None, None, 0, address=fingerprint or model_fingerprint("swallow"))
         self.stats = CacheStats()
         self._clock = itertools.count(1)
@@ -147,6 +154,10 @@ class RadixCache:
         self.swa_slots_cached = 0
 
     # ------------------------------------------------------------ geometry
+    def geometry(self) -> CacheGeometry:
+        """How a router addresses this cache's pages and judges its windows."""
+        return CacheGeometry(self.root.address, self.page_size, self.window_tokens, self.keep_all_swa)
+
     def page_keys(self, tokens: Sequence[int]) -> list[PageKey]:
         ps = self.page_size
         return [tuple(tokens[i : i + ps]) for i in range(0, len(tokens) - ps + 1, ps)]
@@ -337,9 +348,7 @@ class RadixCache:
                 return None
             if node.swa is not None:
                 swa.release(node.swa)
-                self.swa_slots_cached -= held
-            node.swa = slots
-            self.swa_slots_cached += need
+            self._set_swa(node, slots)
         return True
 
     # -------------------------------------------------------------- insert
@@ -427,9 +436,14 @@ class RadixCache:
                 continue
             if node.swa is not None:  # a shorter suffix, unlocked: replace it
                 self.allocator.swa.release(node.swa)
-                self.swa_slots_cached -= len(node.swa)
-            node.swa = list(ring)  # the request's slots become the tree's
-            self.swa_slots_cached += need
+            self._set_swa(node, list(ring))  # the request's slots become the tree's
+
+    def _set_swa(self, node: RadixNode, slots: list[int] | None) -> None:
+        """The node's SWA slots from now on (None: a tombstone); the old ones are the caller's."""
+        self.swa_slots_cached += (len(slots) if slots is not None else 0) - (len(node.swa) if node.swa else 0)
+        node.swa = slots
+        if self.events is not None:
+            self.events.record("device", node.address, SWA, len(slots) if slots is not None else 0)
 
     def _unlock_swa(self, lock: CacheLock) -> None:
         for n in lock.swa_nodes:
@@ -515,11 +529,13 @@ class RadixCache:
 
     # ------------------------------------------------------------- helpers
     def _new_node(self, key: PageKey, parent: RadixNode, full_page: int, address: bytes | None = None) -> RadixNode:
-        if address is None and self.tiers is not None:
+        if address is None and (self.tiers is not None or self.events is not None):
             address = page_address(parent.address, self.key_bytes(key))
         node = RadixNode(key, parent, parent.depth + 1, address=address or b"", full_page=full_page)
         parent.children[key] = node
         self.num_nodes += 1
+        if self.events is not None:
+            self.events.record("device", node.address, FULL, 1)
         return node
 
     def _remove(self, node: RadixNode) -> int:
@@ -532,6 +548,8 @@ class RadixCache:
                 self.allocator.full.release([node.full_page])
             self._tombstone(node)
             node.alive = False
+            if self.events is not None:
+                self.events.record("device", node.address, FULL, 0)
             parent = node.parent
             assert parent is not None
             del parent.children[node.key]
@@ -551,8 +569,7 @@ class RadixCache:
         if self.tiers is None or not self.tiers.demote_swa(node.address, node.swa):
             self.allocator.swa.release(node.swa)
         n = len(node.swa)
-        node.swa = None
-        self.swa_slots_cached -= n
+        self._set_swa(node, None)
         return n
 
     def _lock(self, lock: CacheLock, nodes: list[RadixNode], swa_nodes: list[RadixNode]) -> None:

@@ -1,0 +1,315 @@
+"""KV-affinity routing over workers, window-safe.
+
+A router keeps, per worker, a ``PrefixIndex`` rebuilt from the worker's KV
+events (``kv_events.py``): which page addresses have full KV on which medium
+(device, host memory, disk) and how many of each page's last positions have
+SWA KV there. A request's pages are addressed the way the worker addresses
+them (a hash chain over page token ids, multimodal content keys included,
+seeded with the worker's model fingerprint), so the router can walk the
+request's prefix through each index exactly as the worker's cache would, and
+count only a *window-safe* prefix: full KV for every page and SWA KV for the
+last W tokens. A prefix whose window is gone on a worker is worth nothing
+there, however many of its full pages are left -- what routers that count
+cached blocks alone get wrong on hybrid models.
+
+Policies:
+
+* ``kv-affinity`` (default): the worker with the most reusable tokens minus
+  a load term (``load_weight`` x tokens it has queued to compute); a request
+  no worker has cached goes to the least loaded.
+* ``round-robin`` and ``least-load`` (fewest tokens queued to compute), the
+  baselines.
+
+A worker's load is the prompt tokens of requests routed to it that have not
+finished their prefill (less what it was expected to reuse), or what it
+reports, whichever is more (several routers may share a worker). Pure
+logic: the same router serves the API process and the trace simulation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from llm_core.kv_events import MEDIA, EventBatch, KVEvent, Medium
+from llm_core.kv_tiers import FULL, SWA
+
+__all__ = [
+    "ROUTE_POLICIES",
+    "CacheGeometry",
+    "NoWorkers",
+    "PrefixIndex",
+    "RouteDecision",
+    "Router",
+    "chain_addresses",
+    "token_page_addresses",
+]
+
+ROUTE_POLICIES = ("kv-affinity", "round-robin", "least-load")
+_MEDIUM_BIT = {medium: 1 << i for i, medium in enumerate(MEDIA)}
+_MEDIUM_INDEX = {medium: i for i, medium in enumerate(MEDIA)}
+
+
+class NoWorkers(RuntimeError):
+    """No worker is alive to take the request."""
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What a router must know of a worker's prefix cache: how its pages are
+    addressed and what makes a prefix window-safe there."""
+
+    fingerprint: bytes  # the root of the address chain (model, weights, KV layout)
+    page_size: int
+    window_tokens: int  # W: the SWA positions a hit needs before its end
+    keep_all_swa: bool = False  # SWA KV for every position (no SWA support): the window is the whole prefix
+
+    def window_start(self, end: int) -> int:
+        return 0 if self.keep_all_swa else max(0, end - self.window_tokens)
+
+    def max_pages(self, num_tokens: int) -> int:
+        """Pages a request of ``num_tokens`` can reuse: one token must always run."""
+        return max(0, num_tokens - 1) // self.page_size
+
+
+def chain_addresses(root: bytes, page_keys: Iterable[bytes]) -> list[bytes]:
+    """Addresses of consecutive pages given each page key's bytes (``kv_tiers.page_address`` chained)."""
+    out, parent = [], root
+    for key in page_keys:
+        parent = xxhash.xxh3_128_digest(parent + key)
+        out.append(parent)
+    return out
+
+
+def token_page_addresses(geometry: CacheGeometry, tokens: Sequence[int], max_pages: int | None = None) -> list[bytes]:
+    """Addresses of the full pages of ``tokens`` (the prefix cache's view of a
+    prompt: a multimodal span's positions hold its negative cache token)."""
+    ps = geometry.page_size
+    pages = len(tokens) // ps if max_pages is None else min(len(tokens) // ps, max_pages)
+    raw = np.asarray(tokens[: pages * ps], dtype=np.int64).tobytes()
+    width = ps * 8
+    return chain_addresses(geometry.fingerprint, (raw[i * width : (i + 1) * width] for i in range(pages)))
+
+
+class PrefixIndex:
+    """One worker's cached pages, as its KV events tell them."""
+
+    def __init__(self, geometry: CacheGeometry) -> None:
+        self.geometry = geometry
+        self._full: dict[bytes, int] = {}  # address -> bit per medium holding the page's full KV
+        self._swa: dict[bytes, list[int]] = {}  # address -> SWA positions held per medium
+        self.epoch = -1
+        self.seq = 0
+
+    def __len__(self) -> int:
+        return len(self._full)
+
+    def clear(self) -> None:
+        self._full.clear()
+        self._swa.clear()
+
+    def apply(self, batch: EventBatch) -> bool:
+        """Take a batch of events; False when it cannot be applied (events
+        were missed): the caller asks the worker for a snapshot."""
+        if batch.snapshot:
+            self.clear()
+            self._apply(batch.events)
+            self.epoch, self.seq = batch.epoch, batch.start
+            return True
+        if batch.epoch < self.epoch:
+            return True  # from before the worker's engine was rebuilt: nothing of it is true any more
+        if batch.epoch > self.epoch:
+            if batch.start != 0:
+                return False
+            self.clear()
+            self.epoch, self.seq = batch.epoch, 0
+        if batch.start > self.seq:
+            return False
+        # Events are absolute: those already known are applied again harmlessly.
+        self._apply(batch.events)
+        self.seq = max(self.seq, batch.end)
+        return True
+
+    def _apply(self, events: Iterable[KVEvent]) -> None:
+        for event in events:
+            if event.part == FULL:
+                bits = self._full.get(event.address, 0)
+                bits = bits | _MEDIUM_BIT[event.medium] if event.held else bits & ~_MEDIUM_BIT[event.medium]
+                if bits:
+                    self._full[event.address] = bits
+                else:
+                    self._full.pop(event.address, None)
+            elif event.part == SWA:
+                held = self._swa.get(event.address)
+                if held is None:
+                    if not event.held:
+                        continue
+                    held = self._swa[event.address] = [0, 0, 0]
+                held[_MEDIUM_INDEX[event.medium]] = event.held
+                if not any(held):
+                    del self._swa[event.address]
+
+    def reusable_tokens(self, addresses: Sequence[bytes], media: Sequence[Medium] = MEDIA) -> int:
+        """The longest window-safe prefix of the pages at ``addresses`` whose
+        KV is on ``media``: the walk of ``RadixCache.match`` over the events."""
+        ps = self.geometry.page_size
+        mask = sum(_MEDIUM_BIT[m] for m in media)
+        picks = [_MEDIUM_INDEX[m] for m in media]
+        covered = best = 0
+        for i, address in enumerate(addresses):
+            if not self._full.get(address, 0) & mask:
+                break
+            swa = self._swa.get(address)
+            held = max(swa[j] for j in picks) if swa is not None else 0
+            covered = held + covered if held == ps else held
+            end = (i + 1) * ps
+            if covered >= end - self.geometry.window_start(end):
+                best = i + 1
+        return best * ps
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    index: PrefixIndex
+    order: int  # registration order: the last tie-break
+    outstanding: dict[Hashable, int] = field(default_factory=dict)  # request -> tokens to compute, until prefilled
+    outstanding_tokens: int = 0
+    reported_queue_tokens: int = 0
+    running: int = 0
+    routed: int = 0
+    computed_tokens: int = 0  # prompt tokens routed here and not expected cached
+    expected_cached_tokens: int = 0
+
+    @property
+    def queued_tokens(self) -> int:
+        return max(self.outstanding_tokens, self.reported_queue_tokens)
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    worker_id: str
+    cached_tokens: int  # window-safe tokens the chosen worker is expected to reuse
+    best_cached_tokens: int  # the most any worker could have reused
+    reason: str  # "affinity", "miss" (nobody had it: least loaded), "round-robin", "least-load"
+
+
+class Router:
+    def __init__(self, policy: str = "kv-affinity", load_weight: float = 1.0) -> None:
+        """``load_weight``: tokens of reuse one queued token is worth giving up
+        (kv-affinity): at 1, a request goes where its own prefill would end
+        first."""
+        if policy not in ROUTE_POLICIES:
+            raise ValueError(f"unknown route policy {policy!r}; choose from {', '.join(ROUTE_POLICIES)}")
+        if load_weight < 0:
+            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        self.policy = policy
+        self.load_weight = load_weight
+        self._workers: dict[str, WorkerState] = {}
+        self._order = itertools.count()
+        self._round_robin = 0
+        self._routed_to: dict[Hashable, str] = {}
+        self.decisions: dict[tuple[str, str], int] = {}  # (worker, reason) -> requests
+
+    # ------------------------------------------------------------ workers
+    @property
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def add_worker(self, worker_id: str, geometry: CacheGeometry) -> None:
+        """A worker starts taking requests, with an empty index (a worker that
+        registers again -- restarted -- starts from nothing too)."""
+        self._workers[worker_id] = WorkerState(worker_id, PrefixIndex(geometry), next(self._order))
+
+    def remove_worker(self, worker_id: str) -> list[Hashable]:
+        """The worker is gone; the requests it had that were still routed to it."""
+        state = self._workers.pop(worker_id, None)
+        lost = [rid for rid, wid in self._routed_to.items() if wid == worker_id]
+        for rid in lost:
+            del self._routed_to[rid]
+        return lost if state is not None else []
+
+    def state(self, worker_id: str) -> WorkerState:
+        return self._workers[worker_id]
+
+    def apply_events(self, worker_id: str, batch: EventBatch) -> bool:
+        """False: events were missed; ask the worker for a snapshot."""
+        state = self._workers.get(worker_id)
+        return True if state is None else state.index.apply(batch)
+
+    def report_load(self, worker_id: str, queued_tokens: int, running: int) -> None:
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.reported_queue_tokens, state.running = queued_tokens, running
+
+    # ------------------------------------------------------------ routing
+    def cached_tokens(self, tokens: Sequence[int]) -> dict[str, int]:
+        """Window-safe tokens of ``tokens`` (cache tokens) each worker can reuse."""
+        out: dict[str, int] = {}
+        addresses: dict[tuple[bytes, int], list[bytes]] = {}
+        for state in self._workers.values():
+            geometry = state.index.geometry
+            key = (geometry.fingerprint, geometry.page_size)
+            if key not in addresses:
+                addresses[key] = token_page_addresses(geometry, tokens, geometry.max_pages(len(tokens)))
+            out[state.worker_id] = state.index.reusable_tokens(addresses[key])
+        return out
+
+    def route(self, request_id: Hashable, tokens: Sequence[int]) -> RouteDecision:
+        """Pick the worker for a request whose prefix-cache view is ``tokens``,
+        and count it in that worker's load until ``prefill_done``."""
+        if not self._workers:
+            raise NoWorkers("no worker is available")
+        cached = self.cached_tokens(tokens) if self.policy == "kv-affinity" or len(self._workers) > 1 else {}
+        states = list(self._workers.values())
+        if self.policy == "round-robin":
+            state = states[self._round_robin % len(states)]
+            self._round_robin += 1
+            reason = "round-robin"
+        elif self.policy == "least-load":
+            state = min(states, key=self._load_key)
+            reason = "least-load"
+        else:
+            best = max(cached.values(), default=0)
+            if best == 0:
+                state, reason = min(states, key=self._load_key), "miss"
+            else:
+                state = max(states, key=lambda s: (cached[s.worker_id] - self.load_weight * s.queued_tokens,
+                                                   *(-k for k in self._load_key(s))))
+                reason = "affinity"
+        hit = cached.get(state.worker_id, 0)
+        self._account(state, request_id, len(tokens) - hit, hit)
+        self.decisions[(state.worker_id, reason)] = self.decisions.get((state.worker_id, reason), 0) + 1
+        return RouteDecision(state.worker_id, hit, max(cached.values(), default=0), reason)
+
+    @staticmethod
+    def _load_key(state: WorkerState) -> tuple[int, int, int, int]:
+        """Least loaded first: tokens queued, requests running, work sent so far, then order."""
+        return (state.queued_tokens, state.running, state.computed_tokens, state.order)
+
+    def _account(self, state: WorkerState, request_id: Hashable, to_compute: int, hit: int) -> None:
+        self.prefill_done(request_id)  # a request routed again (a retry) counts once
+        state.outstanding[request_id] = to_compute
+        state.outstanding_tokens += to_compute
+        state.routed += 1
+        state.computed_tokens += to_compute
+        state.expected_cached_tokens += hit
+        self._routed_to[request_id] = state.worker_id
+
+    def prefill_done(self, request_id: Hashable) -> None:
+        """The request's prompt is computed (its first token is out) or it ended:
+        it no longer counts in its worker's queue."""
+        worker_id = self._routed_to.pop(request_id, None)
+        state = self._workers.get(worker_id) if worker_id is not None else None
+        if state is not None:
+            state.outstanding_tokens -= state.outstanding.pop(request_id, 0)
+
+    def loads(self) -> dict[str, dict[str, int]]:
+        return {s.worker_id: {"queued_tokens": s.queued_tokens, "running": s.running, "routed": s.routed,
+                              "routed_uncached_tokens": s.computed_tokens,
+                              "routed_cached_tokens": s.expected_cached_tokens, "indexed_pages": len(s.index)}
+                for s in self._workers.values()}
