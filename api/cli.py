@@ -72,36 +72,14 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.metrics import ServerMetrics
-    from api.runtime import ServerOptions, ServingModel
+    from api.runtime import ServingModel
     from api.server import create_app
 
     model_dir = Path(args.model) if args.model else _ensure_default_model()
-    options = ServerOptions(
-        api_key=args.api_key or os.environ.get("SWALLOW_API_KEY") or None,
-        max_upload_bytes=int(args.max_upload_mb * (1 << 20)),
-        spool_dir=Path(args.spool_dir) if args.spool_dir else None,
-        max_pending_requests=args.max_pending_requests,
-        embedding_cache_bytes=int(args.embedding_cache_mib * (1 << 20)),
-        embedding_cache_name=args.embedding_cache_name,
-    )
+    options = server_options(args)
     metrics = ServerMetrics()
-    model = ServingModel(
-        model_dir,
-        name=args.served_model_name,
-        options=options,
-        metrics=metrics,
-        device=args.device,
-        dtype=args.dtype,
-        kv_budget_bytes=int(args.kv_budget_mib * (1 << 20)),
-        max_running_requests=args.max_running_requests,
-        enable_prefix_caching=not args.no_prefix_caching,
-        compile=args.device.startswith("cuda") if args.compile is None else args.compile,
-        cuda_graph_max_batch=args.cuda_graph_max_batch,
-        speculative_tokens=args.speculative_tokens,
-        schedule_policy=args.schedule_policy,
-        schedule_bucket_edges=_bucket_edges(args.schedule_buckets),
-        **_kv_tier_options(args),
-    )
+    model = ServingModel(model_dir, name=args.served_model_name, options=options, metrics=metrics,
+                         **engine_options(args))
     app = create_app(model, metrics)
     print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -164,6 +142,13 @@ def _bench(args: argparse.Namespace) -> int:
         else:
             result = run_schedule_bench(args.trace, args.cost_model, args.load, args.limit, args.plot, log=log,
                                         stagger_s=args.stagger_s, closed_sessions=not args.open_sessions)
+    elif args.name == "router":
+        from llm_core.bench.router import router_bench
+
+        if not args.trace:
+            raise ValueError("bench router needs --trace (a directory of sessions or a .jsonl file)")
+        result = router_bench(args.trace, workers=args.workers, load=args.load, limit=args.limit,
+                              stagger_s=args.stagger_s, log=lambda msg: print(msg, file=sys.stderr))
     elif args.name == "tiers":
         from api.bench_tiers import DEFAULT_LENGTHS, tiers_bench
 
@@ -231,6 +216,82 @@ def _bench_prefix_cache(args: argparse.Namespace) -> dict:
     return result
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One engine's options: `serve`, `worker` and `stack` (for its workers) take them."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--device", default="cpu")
+    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--kv-budget-mib", type=float, default=256.0, help="memory for both KV pools")
+    group.add_argument("--max-running-requests", type=int, default=64)
+    group.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    group.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="torch.compile the decode forward (default: on with CUDA; on CPU it pays for long "
+                            "runs, after about a minute of compiling on the first decode steps)")
+    group.add_argument("--cuda-graph-max-batch", type=int,
+                       help="CUDA: replay decode batches up to this size from CUDA graphs (0: off; "
+                            "default: --max-running-requests)")
+    group.add_argument("--speculative-tokens", type=int,
+                       help="MTP speculative decoding: draft tokens verified per step (default: one per MTP layer "
+                            "the checkpoint has; 0: off)")
+    group.add_argument("--schedule-policy", default="compute-aware", choices=["compute-aware", "fcfs", "lpm"],
+                       help="admission order: fewest tokens left to compute after the cache hit, with aging "
+                            "(default); arrival order; or longest cached prefix first")
+    group.add_argument("--schedule-buckets",
+                       help="prompt-length bucket edges sharing each step's prefill budget, comma-separated tokens "
+                            "(default: 1/16 and 1/4 of the model's context, i.e. 64K,256K at 1M; 'none': one bucket)")
+    group.add_argument("--kv-host-gib", type=float,
+                       help="host-memory KV tier under the device pools (default: 0, or 1 with --kv-disk-dir)")
+    group.add_argument("--kv-disk-gib", type=float, help="disk KV tier budget (default: 8 with --kv-disk-dir)")
+    group.add_argument("--kv-disk-dir", help="directory of the disk KV tier; a restart over it restores "
+                       "earlier prefixes")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM``/``ServingModel`` keyword arguments from ``add_engine_arguments``' options."""
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "kv_budget_bytes": int(args.kv_budget_mib * (1 << 20)),
+        "max_running_requests": args.max_running_requests,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "compile": args.device.startswith("cuda") if args.compile is None else args.compile,
+        "cuda_graph_max_batch": args.cuda_graph_max_batch,
+        "speculative_tokens": args.speculative_tokens,
+        "schedule_policy": args.schedule_policy,
+        "schedule_bucket_edges": _bucket_edges(args.schedule_buckets),
+        **_kv_tier_options(args),
+    }
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the HTTP front end takes: `serve` and `api`."""
+    group = parser.add_argument_group("HTTP API")
+    group.add_argument("--served-model-name", help="model id reported by the API")
+    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set SWALLOW_API_KEY)")
+    group.add_argument("--max-upload-mb", type=float, default=512.0, help="largest upload or request body")
+    group.add_argument("--spool-dir", help="where uploads are written (default: a temporary directory)")
+    group.add_argument("--max-pending-requests", type=int, default=256, help="beyond this, new requests get 429")
+
+
+def add_embedding_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("embedding cache")
+    group.add_argument("--embedding-cache-mib", type=float, default=256.0, help="shared-memory embedding cache")
+    group.add_argument("--embedding-cache-name", help="shared-memory store name; processes naming it share it")
+
+
+def server_options(args: argparse.Namespace) -> Any:  # -> api.runtime.ServerOptions
+    from api.runtime import ServerOptions
+
+    return ServerOptions(
+        api_key=args.api_key or os.environ.get("SWALLOW_API_KEY") or None,
+        max_upload_bytes=int(args.max_upload_mb * (1 << 20)),
+        spool_dir=Path(args.spool_dir) if args.spool_dir else None,
+        max_pending_requests=args.max_pending_requests,
+        embedding_cache_bytes=int(getattr(args, "embedding_cache_mib", 256.0) * (1 << 20)),
+        embedding_cache_name=getattr(args, "embedding_cache_name", None),
+    )
+
+
 def _bucket_edges(text: str | None) -> tuple[int, ...] | None:
     """``--schedule-buckets``: None for the default, () for one bucket."""
     if text is None:
@@ -266,48 +327,115 @@ def _bench_load(args: argparse.Namespace) -> dict:
     return result
 
 
+def _add_role_parsers(sub: Any) -> None:
+    """The local stack's process roles (`api`, `encoder`, `worker`) and `stack`, which runs them all."""
+    from api.stack.plan import DEFAULT_PORTS
+
+    api = sub.add_parser("api", help="the stack's HTTP front end: chat template, tokenising, detokenising, "
+                                     "and the router over workers")
+    api.add_argument("--model", help="checkpoint directory: its config, tokenizer and chat template (default: the "
+                                     "demo model); the weights stay with the workers")
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=DEFAULT_PORTS["api"])
+    api.add_argument("--workers", required=True,
+                     help="worker addresses, comma-separated: tcp://HOST:PORT, or dns://NAME:PORT for every "
+                          "address NAME resolves to (a headless Service), looked up again every few seconds")
+    api.add_argument("--encoders", default="", help="encoder addresses, as --workers (none: text only)")
+    add_route_arguments(api)
+    api.add_argument("--shared-spool", action="store_true",
+                     help="encoders read uploads from the spool directory (same path) instead of receiving bytes")
+    add_http_arguments(api)
+    api.add_argument("--log-level", default="info")
+    api.set_defaults(func=_run_role)
+
+    encoder = sub.add_parser("encoder", help="media decode, preprocessing and batched encoders; embeddings go to "
+                                             "the machine's shared-memory store")
+    _add_service_arguments(encoder, "encoder")
+    encoder.add_argument("--device", default="cpu")
+    encoder.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    encoder.add_argument("--max-upload-mb", type=float, default=512.0, help="largest media file it decodes")
+    add_embedding_cache_arguments(encoder)
+    _add_embedding_ring_arguments(encoder)
+    encoder.add_argument("--log-level", default="info")
+    encoder.set_defaults(func=_run_role)
+
+    worker = sub.add_parser("worker", help="one engine: scheduler, KV pools, prefix cache and tiers")
+    _add_service_arguments(worker, "worker")
+    add_engine_arguments(worker)
+    worker.add_argument("--max-pending-requests", type=int, default=256,
+                        help="admitted but unfinished requests before new ones are refused (429)")
+    worker.add_argument("--embedding-cache-name", help="the shared-memory store the encoders write")
+    _add_embedding_ring_arguments(worker)
+    worker.add_argument("--log-level", default="info")
+    worker.set_defaults(func=_run_role)
+
+    stack = sub.add_parser("stack", help="the whole stack on this machine: an API, encoders and workers, "
+                                         "supervised")
+    stack.add_argument("--model", help="checkpoint directory (default: the demo model)")
+    stack.add_argument("--workers", type=int, default=2)
+    stack.add_argument("--encoders", type=int, default=1)
+    stack.add_argument("--host", default="127.0.0.1", help="where the API listens")
+    stack.add_argument("--port", type=int, default=DEFAULT_PORTS["api"])
+    stack.add_argument("--base-port", type=int,
+                       help="first of the internal ports (2 per encoder and worker; default: free ports)")
+    add_route_arguments(stack)
+    add_http_arguments(stack)
+    add_engine_arguments(stack)
+    stack.add_argument("--embedding-cache-mib", type=float, default=256.0, help="shared-memory embedding cache")
+    stack.add_argument("--print-plan", action="store_true", help="print the processes it would start (JSON) and exit")
+    stack.add_argument("--log-level", default="info")
+    stack.set_defaults(func=_run_role)
+
+
+def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    from llm_core.router import ROUTE_POLICIES
+
+    parser.add_argument("--route-policy", default="kv-affinity", choices=ROUTE_POLICIES,
+                        help="kv-affinity (default): the worker that can reuse the longest window-safe prefix, "
+                             "less a load term; round-robin; least-load")
+    parser.add_argument("--route-load-weight", type=float, default=1.0,
+                        help="kv-affinity: cached tokens one queued token outweighs")
+
+
+def _add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    from api.stack.plan import DEFAULT_PORTS
+
+    parser.add_argument("--model", help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--host", default="127.0.0.1", help="where its message socket listens")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help="message (ZeroMQ) port")
+    parser.add_argument("--health-port", type=int, default=DEFAULT_PORTS[role] + 1,
+                        help="HTTP port: /health, /metrics" + (", /internal/embeddings" if role == "encoder" else ""))
+    parser.add_argument(f"--{role}-id", help="its name in the stack (default: host name and port)")
+
+
+def _add_embedding_ring_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--embedding-peers", default="",
+                        help="machines of the embedding ring, NODE=URL comma-separated (each an encoder's "
+                             "health port); a key's owner machine is asked on a local miss")
+    parser.add_argument("--embedding-node", help="this machine's NODE in --embedding-peers")
+
+
+def _run_role(args: argparse.Namespace) -> int:
+    from api.stack import roles
+
+    return roles.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swallow", description="Hybrid-SWA MoE serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible)")
+    serve = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible), all in one process")
     serve.add_argument("--model", help="checkpoint directory (default: a small random demo model)")
-    serve.add_argument("--served-model-name", help="model id reported by the API")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--device", default="cpu")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    serve.add_argument("--kv-budget-mib", type=float, default=256.0, help="memory for both KV pools")
-    serve.add_argument("--max-running-requests", type=int, default=64)
-    serve.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    serve.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                       help="torch.compile the decode forward (default: on with CUDA; on CPU it pays for long "
-                            "runs, after about a minute of compiling on the first decode steps)")
-    serve.add_argument("--cuda-graph-max-batch", type=int,
-                       help="CUDA: replay decode batches up to this size from CUDA graphs (0: off; "
-                            "default: --max-running-requests)")
-    serve.add_argument("--speculative-tokens", type=int,
-                       help="MTP speculative decoding: draft tokens verified per step (default: one per MTP layer "
-                            "the checkpoint has; 0: off)")
-    serve.add_argument("--schedule-policy", default="compute-aware", choices=["compute-aware", "fcfs", "lpm"],
-                       help="admission order: fewest tokens left to compute after the cache hit, with aging "
-                            "(default); arrival order; or longest cached prefix first")
-    serve.add_argument("--schedule-buckets",
-                       help="prompt-length bucket edges sharing each step's prefill budget, comma-separated tokens "
-                            "(default: 1/16 and 1/4 of the model's context, i.e. 64K,256K at 1M; 'none': one bucket)")
-    serve.add_argument("--kv-host-gib", type=float,
-                       help="host-memory KV tier under the device pools (default: 0, or 1 with --kv-disk-dir)")
-    serve.add_argument("--kv-disk-gib", type=float, help="disk KV tier budget (default: 8 with --kv-disk-dir)")
-    serve.add_argument("--kv-disk-dir", help="directory of the disk KV tier; a restart over it restores "
-                       "earlier prefixes")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set SWALLOW_API_KEY)")
-    serve.add_argument("--max-upload-mb", type=float, default=512.0, help="largest upload or request body")
-    serve.add_argument("--spool-dir", help="where uploads are written (default: a temporary directory)")
-    serve.add_argument("--max-pending-requests", type=int, default=256, help="beyond this, new requests get 429")
-    serve.add_argument("--embedding-cache-mib", type=float, default=256.0, help="shared-memory embedding cache")
-    serve.add_argument("--embedding-cache-name", help="shared-memory store name; processes naming it share it")
+    add_http_arguments(serve)
+    add_engine_arguments(serve)
+    add_embedding_cache_arguments(serve)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
+
+    _add_role_parsers(sub)
 
     init = sub.add_parser("init-checkpoint", help="write a random-weight checkpoint of a preset shape")
     init.add_argument("dir")
@@ -342,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     video_qa.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
-    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step", "mtp", "tiers", "schedule"])
+    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step", "mtp", "tiers", "schedule", "router"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv, step: model shape")
     bench.add_argument("--running", type=int, default=64, help="step: running requests")
@@ -363,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--encoder-requests", type=int, default=256, help="encoder: single-item requests")
     bench.add_argument("--max-wait-ms", type=float, default=5.0, help="encoder: batching window")
     bench.add_argument("--torch-threads", type=int, help="encoder: torch intra-op threads (default: torch's)")
-    bench.add_argument("--trace", help="prefix-cache, schedule: agentic session directory or Mooncake .jsonl")
+    bench.add_argument("--trace", help="prefix-cache, schedule, router: agentic session directory or Mooncake .jsonl")
     bench.add_argument("--cost-model", default="mimo-v2.5-pro-h200", choices=["mimo-v2.5-pro-h200", "calibrated"],
                        help="schedule: step times from MiMo-V2.5-Pro on 8 H200s (analytic), or the engine's own "
                             "steps measured on this machine (demo-size model) and fitted")
@@ -376,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engine-replay", action="store_true",
                        help="schedule: fcfs against compute-aware on a scaled-down agentic trace through the real "
                             "engine (demo-size model, wall clock) and through the replay (calibrated cost model)")
+    bench.add_argument("--workers", type=int, default=4, help="router: workers the trace is routed over")
     bench.add_argument("--full-pool-tokens", type=int, default=4_000_000, help="prefix-cache: full pool")
     bench.add_argument("--swa-fraction", type=float, default=0.05, help="prefix-cache: SWA pool / full pool")
     bench.add_argument("--checkpoint-interval", type=int, default=4096, help="prefix-cache: 0 for none")
