@@ -1,5 +1,6 @@
-"""Everything one served model needs: the LLM on its engine thread, its chat
-template, and (for a multimodal checkpoint) encoders, batcher and embedding cache."""
+"""Everything one served model needs, in one process (the embedded
+``Frontend``): the LLM on its engine thread, its chat template, and (for a
+multimodal checkpoint) encoders, batcher and embedding cache."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ from typing import Any
 
 import torch
 
+from api.chat import MediaRef
 from api.engine_loop import AsyncEngine
+from api.frontend import MediaEmbedding
 from api.metrics import ServerMetrics
-from embedding_cache import MediaEmbedder, MediaEmbedderConfig, SharedEmbeddingStore
+from embedding_cache import Embedding, MediaEmbedder, MediaEmbedderConfig, SharedEmbeddingStore
 from encoders import BatcherConfig, EncoderBatcher
 from encoders.multimodal_checkpoint import load_encoders, placeholder_token_ids
 from llm_core import LLM
 from llm_core.chat import ChatTemplate
+from llm_core.tokenizer import Tokenizer
 from media import VIDEO_PREPROCESS, MediaLimits, VisionPreprocessConfig
 
-__all__ = ["ServerOptions", "ServingModel", "media_config"]
+__all__ = ["LocalEmbedder", "ServerOptions", "ServingModel", "embed_media", "media_config", "media_kinds"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,8 +71,39 @@ def media_config(model_dir: Path, limits: MediaLimits) -> MediaEmbedderConfig:
     )
 
 
+def media_kinds(encoder_kinds: set[str] | frozenset[str], placeholder_ids: dict[str, int]) -> frozenset[str]:
+    """Media kinds a model takes: those with an encoder and a placeholder token."""
+    kinds = set()
+    if "vision" in encoder_kinds:
+        kinds |= {"image", "video"}
+    if "audio" in encoder_kinds:
+        kinds.add("audio")
+    return frozenset(k for k in kinds if k in placeholder_ids)
+
+
+async def embed_media(embedder: MediaEmbedder, kind: str, source: bytes | Path) -> Embedding:
+    """One media item through the embedding cache and the encoders (images are read whole)."""
+    if kind == "image":
+        return await embedder.embed_image(source if isinstance(source, bytes) else source.read_bytes())
+    if kind == "video":
+        return await embedder.embed_video(source)
+    return await embedder.embed_audio(source)
+
+
+class LocalEmbedder:
+    """Media embedded in this process; the rows stay here too."""
+
+    def __init__(self, embedder: MediaEmbedder) -> None:
+        self.media = embedder
+
+    async def embed(self, ref: MediaRef) -> MediaEmbedding:
+        emb = await embed_media(self.media, ref.kind, ref.path if ref.path is not None else ref.read())
+        return MediaEmbedding(emb.kind, emb.key, emb.num_tokens, emb.cached, emb.tensor)
+
+
 class ServingModel:
-    """The model a server answers with. Create inside the running event loop."""
+    """The model a server answers with, all in this process. Create inside the
+    running event loop."""
 
     def __init__(
         self,
@@ -92,7 +127,8 @@ class ServingModel:
         self.engine = AsyncEngine(self.llm, max_pending=options.max_pending_requests, on_step=on_step)
         self.store: SharedEmbeddingStore | None = None
         self.batcher: EncoderBatcher | None = None
-        self.embedder: MediaEmbedder | None = None
+        self.media_embedder: MediaEmbedder | None = None
+        self.embedder: LocalEmbedder | None = None
         encoders = load_encoders(self.model_dir, dtype=_DTYPES[dtype], device=device)
         if encoders:
             self._start_media(encoders)
@@ -104,27 +140,42 @@ class ServingModel:
         on_batch = self.metrics.observe_encoder_batch if self.metrics is not None else None
         self.batcher = EncoderBatcher(encoders, BatcherConfig(), on_batch=on_batch)
         limits = MediaLimits(max_file_bytes=self.options.max_upload_bytes)
-        self.embedder = MediaEmbedder(self.batcher, self.store, media_config(self.model_dir, limits))
+        self.media_embedder = MediaEmbedder(self.batcher, self.store, media_config(self.model_dir, limits))
+        self.embedder = LocalEmbedder(self.media_embedder)
 
     @property
     def media_kinds(self) -> frozenset[str]:
         """Media kinds this model takes (those with an encoder and a placeholder token)."""
-        if self.batcher is None:
-            return frozenset()
-        kinds = set()
-        if "vision" in self.batcher.kinds:
-            kinds |= {"image", "video"}
-        if "audio" in self.batcher.kinds:
-            kinds.add("audio")
-        return frozenset(k for k in kinds if k in self.placeholder_ids)
+        return frozenset() if self.batcher is None else media_kinds(self.batcher.kinds, self.placeholder_ids)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.llm.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.config.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.llm.config.max_position_embeddings
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.llm.encode_prompt(prompt)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        self.llm.check_length(num_prompt_tokens, max_tokens)
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        return True, {}
 
     async def aclose(self) -> None:
         self.engine.close()
         self.llm.close()
         if self.batcher is not None:
             await self.batcher.aclose()
-        if self.embedder is not None:
-            self.embedder.close()
+        if self.media_embedder is not None:
+            self.media_embedder.close()
         if self.store is not None:
             self.store.close()
             if self._own_store:

@@ -34,17 +34,17 @@ from api.chat import (
     parse_json_body, parse_sampling, parse_stop, require_unicode,
 )
 from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
+from api.frontend import Frontend, MediaEmbedding
 from api.metrics import ServerMetrics
 from api.openapi import openapi_document
-from api.runtime import ServingModel
 from api.textstream import TextStream
 from api.uploads import (
     FileStore, MultipartForm, StoredFile, UploadError, format_size, parse_multipart, refuse_declared_oversize,
 )
-from embedding_cache import Embedding
 from encoders import EncoderQueueFull
 from llm_core import MultimodalSpan, SamplingParams
 from llm_core.chat import ChatTemplateError, MediaPart, build_chat_prompt
+from llm_core.multimodal import SpanRef
 from media import MediaError, has_audio_track
 
 __all__ = ["create_app", "error_response"]
@@ -146,33 +146,27 @@ def _endpoint(path: str) -> str:
 
 
 class ChatService:
-    def __init__(self, model: ServingModel, metrics: ServerMetrics) -> None:
+    def __init__(self, model: Frontend, metrics: ServerMetrics) -> None:
         self.model = model
         self.metrics = metrics
 
-    async def embed(self, ref: MediaRef) -> Embedding:
+    async def embed(self, ref: MediaRef) -> MediaEmbedding:
         embedder = self.model.embedder
         if ref.kind not in self.model.media_kinds or embedder is None:
             raise BadRequest(f"this model does not take {ref.kind} input")
-        if ref.kind == "image":
-            emb = await embedder.embed_image(ref.read())
-        elif ref.kind == "video":
-            emb = await embedder.embed_video(ref.path if ref.path is not None else ref.read())
-        else:
-            emb = await embedder.embed_audio(ref.path if ref.path is not None else ref.read())
+        emb = await embedder.embed(ref)
         self.metrics.count_embedding(ref.kind, emb.cached)
         return emb
 
-    async def prompt(self, request: ChatRequest) -> tuple[list[int], list[MultimodalSpan]]:
-        if self.model.llm.tokenizer is None:
+    async def prompt(self, request: ChatRequest) -> tuple[list[int], list[MultimodalSpan | SpanRef]]:
+        tokenizer = self.model.tokenizer
+        if tokenizer is None:
             raise BadRequest("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
         messages, refs = await self._with_sound_tracks(request.messages, request.media)
         embeddings = await asyncio.gather(*(self.embed(ref) for ref in refs))
-        media = [MediaPart(ref.kind, emb.tensor, emb.key) for ref, emb in zip(refs, embeddings)]
-        built = build_chat_prompt(
-            self.model.chat_template, self.model.llm.tokenizer, messages, media, self.model.placeholder_ids
-        )
-        self.model.llm.check_length(len(built.token_ids), request.params.max_tokens)
+        media = [MediaPart(ref.kind, emb.tensor, emb.key, emb.rows) for ref, emb in zip(refs, embeddings)]
+        built = build_chat_prompt(self.model.chat_template, tokenizer, messages, media, self.model.placeholder_ids)
+        self.model.check_length(len(built.token_ids), request.params.max_tokens)
         return built.token_ids, built.spans
 
     async def _with_sound_tracks(
@@ -211,13 +205,14 @@ class ChatService:
         return out_messages, out_refs
 
     async def open(
-        self, prompt_ids: list[int], params: SamplingParams, spans: list[MultimodalSpan], stop: tuple[str, ...] = ()
+        self, prompt_ids: list[int], params: SamplingParams, spans: list[MultimodalSpan | SpanRef],
+        stop: tuple[str, ...] = (),
     ) -> Generation:
         """Admit a request to the engine: whatever it refuses is raised here, before
         the response starts (so it can still be a 400). The engine thread
         detokenizes it and ends it at a stop string."""
         started = time.perf_counter()
-        tokenizer = self.model.llm.tokenizer
+        tokenizer = self.model.tokenizer
         text = None if tokenizer is None else TextStream(tokenizer.stream_decoder(), stop)
         stream = await self.model.engine.open(prompt_ids, params, spans, text)
         return Generation(stream, len(prompt_ids), started)
@@ -363,7 +358,7 @@ class CompletionService:
 
     def __init__(self, chat: ChatService) -> None:
         self.chat = chat
-        self.llm = chat.model.llm
+        self.model = chat.model
 
     def parse(self, body: Any) -> tuple[list[list[int]], SamplingParams, tuple[str, ...], bool, bool]:
         if not isinstance(body, dict):
@@ -372,11 +367,11 @@ class CompletionService:
             raise BadRequest("only n=1 and best_of=1 are supported")
         params = parse_sampling(body | {"max_tokens": body.get("max_tokens", 16)})
         stop = parse_stop(body.get("stop"))
-        if stop and self.llm.tokenizer is None:
+        if stop and self.model.tokenizer is None:
             raise BadRequest("'stop' strings need a model with a tokenizer; use stop_token_ids")
-        prompts = [self.llm.encode_prompt(p) for p in _prompts(body.get("prompt"))]
+        prompts = [self.model.encode_prompt(p) for p in _prompts(body.get("prompt"))]
         for ids in prompts:
-            self.llm.check_length(len(ids), params.max_tokens)
+            self.model.check_length(len(ids), params.max_tokens)
         return prompts, params, stop, parse_bool(body, "stream"), parse_include_usage(body, default=False)
 
     async def open(self, prompts: list[list[int]], params: SamplingParams, stop: tuple[str, ...]) -> list[Generation]:
@@ -473,7 +468,7 @@ def _completion_envelope(model: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 
 
-def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Starlette:
+def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlette:
     metrics = metrics or model.metrics or ServerMetrics()
     options = model.options
     spool_root = options.spool_dir or Path(tempfile.mkdtemp(prefix="swallow-uploads-"))
@@ -562,10 +557,11 @@ def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Sta
         return JSONResponse(stored.to_openai())
 
     async def health(_: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        ready, detail = model.health()
+        return JSONResponse({"status": "ok" if ready else "unavailable", **detail}, status_code=200 if ready else 503)
 
     # Built once: it depends only on the model, which a server never changes.
-    spec = openapi_document(model.name, model.llm.config.vocab_size, model.llm.config.max_position_embeddings,
+    spec = openapi_document(model.name, model.vocab_size, model.context_length,
                             model.media_kinds)
 
     async def openapi_spec(_: Request) -> Response:
@@ -583,7 +579,7 @@ def create_app(model: ServingModel, metrics: ServerMetrics | None = None) -> Sta
             "object": "model",
             "created": 0,
             "owned_by": "swallow",
-            "max_model_len": model.llm.config.max_position_embeddings,
+            "max_model_len": model.context_length,
             "input_modalities": ["text", *sorted(model.media_kinds)],
         }
         return JSONResponse({"object": "list", "data": [card]})

@@ -20,7 +20,7 @@ import torch
 from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from llm_core.multimodal import MultimodalSpan
+from llm_core.multimodal import MultimodalSpan, SpanRef
 from llm_core.tokenizer import Tokenizer
 
 __all__ = [
@@ -102,17 +102,33 @@ class ChatTemplate:
 
 @dataclass(frozen=True)
 class MediaPart:
-    """A media content part once encoded: its kind, embedding rows and content key."""
+    """A media content part once encoded: its kind, embedding rows and content
+    key -- or, where the rows stay in an embedding store (the stack's API
+    process), only how many there are."""
 
     kind: str  # "image" | "video" | "audio"
-    embeddings: torch.Tensor  # [rows, hidden]
+    embeddings: torch.Tensor | None  # [rows, hidden]
     key: bytes
+    rows: int | None = None  # without embeddings
+
+    @property
+    def num_rows(self) -> int:
+        if self.embeddings is not None:
+            return int(self.embeddings.shape[0])
+        if self.rows is None:
+            raise ValueError("a media part needs its embeddings or its number of rows")
+        return self.rows
+
+    def span(self, offset: int) -> MultimodalSpan | SpanRef:
+        if self.embeddings is None:
+            return SpanRef(offset, self.num_rows, self.key)
+        return MultimodalSpan(offset, self.embeddings, self.key)
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
     token_ids: list[int]
-    spans: list[MultimodalSpan]
+    spans: list[MultimodalSpan | SpanRef]  # SpanRef for parts given without embeddings
 
 
 def build_chat_prompt(
@@ -129,9 +145,8 @@ def build_chat_prompt(
     the media parts in the same order as ``media``.
     """
     ids = tokenizer.encode(template.render(messages))
-    out, offsets = expand_placeholders(ids, [(p.kind, int(p.embeddings.shape[0])) for p in media], placeholder_ids)
-    spans = [MultimodalSpan(offset, p.embeddings, p.key) for offset, p in zip(offsets, media)]
-    return ChatPrompt(out, spans)
+    out, offsets = expand_placeholders(ids, [(p.kind, p.num_rows) for p in media], placeholder_ids)
+    return ChatPrompt(out, [p.span(offset) for offset, p in zip(offsets, media)])
 
 
 def expand_placeholders(

@@ -793,6 +793,7 @@ class Engine:
             },
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
+            "queued_prompt_tokens": self.scheduler.queued_tokens(),
             "preemptions": self.scheduler.num_preemptions,
             "schedule": self.scheduler.latency_stats(),
             "speculative": self.spec_stats.as_dict(),

@@ -73,31 +73,11 @@ class LLM:
 
     # ------------------------------------------------------------------ input
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"text prompts need a tokenizer.json in {self.model_dir}; pass token ids instead"
-                )
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})"
-            )
-        return ids
+        return encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.model_dir)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Refuse, with a reason, a request longer than the context or the KV pool."""
-        limit = self.config.max_position_embeddings
-        if num_prompt_tokens + max_tokens > limit:
-            raise ValueError(
-                f"prompt of {num_prompt_tokens} tokens plus max_tokens={max_tokens} exceeds "
-                f"the model's context length of {limit} tokens"
-            )
+        check_context_length(num_prompt_tokens, max_tokens, self.config.max_position_embeddings)
         self.engine.check_fits(num_prompt_tokens, max_tokens)
 
     # --------------------------------------------------------------- generate
@@ -178,6 +158,30 @@ class LLM:
 
     def _decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+
+def encode_prompt(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int, model_dir: Path) -> list[int]:
+    """Token ids of a prompt (text, or ids checked against the vocabulary)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"text prompts need a tokenizer.json in {model_dir}; pass token ids instead")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+    if num_prompt_tokens + max_tokens > context_length:
+        raise ValueError(
+            f"prompt of {num_prompt_tokens} tokens plus max_tokens={max_tokens} exceeds "
+            f"the model's context length of {context_length} tokens"
+        )
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

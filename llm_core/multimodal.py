@@ -32,6 +32,20 @@ class MultimodalSpan:
         return self.offset + self.length
 
 
+@dataclass(frozen=True)
+class SpanRef:
+    """A span by its content key alone, without its embedding rows: how a
+    span travels between processes (the rows are in the embedding store)."""
+
+    offset: int
+    length: int
+    key: bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 def cache_token(key: bytes) -> int:
     """The id standing for a span's positions in prefix-cache keys.
 
@@ -43,7 +57,7 @@ def cache_token(key: bytes) -> int:
     return -(1 + (int.from_bytes(digest, "big") >> 1))
 
 
-def with_cache_tokens(prompt: Sequence[int], spans: Sequence[MultimodalSpan]) -> list[int]:
+def with_cache_tokens(prompt: Sequence[int], spans: Sequence[MultimodalSpan | SpanRef]) -> list[int]:
     """``prompt`` with every span position replaced by the span's cache token."""
     out = list(prompt)
     for span in spans:

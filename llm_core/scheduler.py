@@ -331,6 +331,17 @@ class Scheduler:
                 "buckets": {label: {"queue_wait": self.queue_wait[b].as_dict(), "ttft": self.ttft[b].as_dict()}
                             for b, label in enumerate(self.buckets.labels)}}
 
+    def queued_tokens(self) -> int:
+        """Prompt tokens still to compute: waiting requests (less their last
+        cache estimate) and running prefills. What a router balances."""
+        total = 0
+        for seq in self.waiting:
+            total += seq.num_tokens - max(seq.num_computed, seq.peeked[1] if seq.peeked is not None else 0)
+        for seq in self.running:
+            if not seq.in_decode:
+                total += seq.num_tokens - seq.num_computed
+        return total
+
     def loading(self) -> bool:
         """Whether a waiting request waits for its prefix to come from disk."""
         return any(seq.loading for seq in self.waiting)

@@ -1,0 +1,103 @@
+"""What the HTTP server needs of a model, whether it runs in this process or
+in a stack of processes.
+
+``Frontend``: the model's name, tokenizer, chat template, placeholder ids,
+context length and vocabulary (none of which need the weights), an
+``Embedder`` for media and an ``EngineClient`` for generation.
+``ServingModel`` (``runtime.py``) is the embedded one: encoders and one
+engine in this process. ``StackFrontend`` (``stack/frontend.py``) sends media
+to encoder processes and requests to worker processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from api.chat import MediaRef
+from api.engine_loop import Detokenizer, StreamEvent
+from api.metrics import ServerMetrics
+from llm_core import SamplingParams
+from llm_core.chat import ChatTemplate
+from llm_core.multimodal import MultimodalSpan, SpanRef
+from llm_core.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from api.runtime import ServerOptions
+
+__all__ = ["Embedder", "EngineClient", "Frontend", "MediaEmbedding"]
+
+
+@dataclass(frozen=True)
+class MediaEmbedding:
+    """One media item, encoded: its content key, how many embedding rows it
+    has, and the rows themselves where they are in this process."""
+
+    kind: str
+    key: bytes
+    rows: int
+    cached: bool  # found in the embedding cache: nothing was decoded or encoded
+    tensor: torch.Tensor | None = None
+
+
+class Embedder(Protocol):
+    async def embed(self, ref: MediaRef) -> MediaEmbedding: ...
+
+
+class EngineClient(Protocol):
+    """Generation, wherever the engine runs. ``open`` admits a request or
+    raises (``ValueError``: the client's fault, before any token), then
+    yields its tokens; closing the stream aborts the request."""
+
+    @property
+    def pending(self) -> int: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    async def open(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spans: Sequence[MultimodalSpan | SpanRef] = (),
+        text: Detokenizer | None = None,
+    ) -> AsyncGenerator[StreamEvent, None]: ...
+
+    async def flush_cache(self) -> dict[str, Any]: ...
+
+
+class Frontend(Protocol):
+    model_dir: Path
+    name: str
+    options: ServerOptions
+    metrics: ServerMetrics | None
+    chat_template: ChatTemplate
+    placeholder_ids: dict[str, int]
+    engine: EngineClient
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    @property
+    def media_kinds(self) -> frozenset[str]: ...
+
+    @property
+    def embedder(self) -> Embedder | None: ...
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]: ...
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None: ...
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Whether it can serve now, and what /health shows of it."""
+
+    async def aclose(self) -> None: ...
