@@ -8,6 +8,7 @@ COPY encoders ./encoders
 COPY embedding_cache ./embedding_cache
 RUN pip install --no-cache-dir .
 ENV SWALLOW_HOME=/models
-EXPOSE 8000
+# The API's HTTP port; workers (ZeroMQ, health) and encoders (ZeroMQ, health and /internal/embeddings).
+EXPOSE 8000 7100 7101 7200 7201
 ENTRYPOINT ["swallow"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

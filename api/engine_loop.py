@@ -139,6 +139,11 @@ class AsyncEngine:
         """The engine's stats as of its last step (a snapshot; safe from any thread)."""
         return self._stats
 
+    @property
+    def broken(self) -> str | None:
+        """Why the engine could not be rebuilt after a failure, or None while it serves."""
+        return self._broken
+
     async def open(
         self,
         prompt_ids: list[int],

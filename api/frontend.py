@@ -100,4 +100,7 @@ class Frontend(Protocol):
     def health(self) -> tuple[bool, dict[str, Any]]:
         """Whether it can serve now, and what /health shows of it."""
 
+    async def start(self) -> None:
+        """Inside the server's event loop, before the first request."""
+
     async def aclose(self) -> None: ...

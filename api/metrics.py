@@ -118,6 +118,16 @@ class ServerMetrics:
         self.embedding_cache = Counter(
             "swallow_embedding_cache_requests", "Embedding cache lookups", ["kind", "result"], registry=r
         )
+        # The stack's router: gauges mirroring its running totals and each worker's load.
+        self.route_decisions = Gauge("swallow_route_decisions", "Requests routed since start, by worker and why "
+                                     "(affinity: a reusable prefix there; miss: nobody had one, least loaded)",
+                                     ["worker", "reason"], registry=r)
+        self.worker_queued_tokens = Gauge("swallow_worker_queued_tokens", "Prompt tokens routed to a worker and "
+                                          "not yet computed", ["worker"], registry=r)
+        self.worker_running = Gauge("swallow_worker_running_requests", "Requests a worker runs", ["worker"],
+                                    registry=r)
+        self.worker_routed_cached = Gauge("swallow_worker_routed_cached_tokens", "Prompt tokens routed to a worker "
+                                          "that it was expected to reuse", ["worker"], registry=r)
         self.prompt_tokens = Counter("swallow_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("swallow_generation_tokens", "Tokens generated", registry=r)
 
@@ -158,12 +168,26 @@ class ServerMetrics:
             self._set_schedule(schedule)
         self.set_queue_depth(stats.get("waiting_requests", 0), stats.get("running_requests", 0))
         self.preemptions.set(stats.get("preemptions", 0))
+        if routing := stats.get("routing"):
+            self._set_routing(routing)
         spec = stats.get("speculative")
-        if spec and spec.get("num_speculative_tokens"):
+        if spec and isinstance(spec.get("num_speculative_tokens"), int) and spec.get("num_speculative_tokens"):
             for i, (proposed, accepted) in enumerate(zip(spec["drafts_proposed"], spec["drafts_accepted"])):
                 self.drafts_proposed.labels(position=str(i + 1)).set(proposed)
                 self.drafts_accepted.labels(position=str(i + 1)).set(accepted)
             self.acceptance_length.set(spec.get("mean_acceptance_length") or 0.0)
+
+    def _set_routing(self, routing: dict[str, Any]) -> None:
+        # Workers come and go: only the live ones have series.
+        for gauge in (self.route_decisions, self.worker_queued_tokens, self.worker_running, self.worker_routed_cached):
+            gauge.clear()
+        for worker, reasons in routing.get("decisions", {}).items():
+            for reason, count in reasons.items():
+                self.route_decisions.labels(worker=worker, reason=reason).set(count)
+        for worker, load in routing.get("workers", {}).items():
+            self.worker_queued_tokens.labels(worker=worker).set(load["queued_tokens"])
+            self.worker_running.labels(worker=worker).set(load["running"])
+            self.worker_routed_cached.labels(worker=worker).set(load["routed_cached_tokens"])
 
     def _set_tiers(self, tiers: dict[str, Any]) -> None:
         for tier in ("host", "disk"):

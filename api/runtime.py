@@ -169,6 +169,9 @@ class ServingModel:
     def health(self) -> tuple[bool, dict[str, Any]]:
         return True, {}
 
+    async def start(self) -> None:
+        pass
+
     async def aclose(self) -> None:
         self.engine.close()
         self.llm.close()

@@ -556,6 +556,10 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
             return error_response(404, f"no file {file_id!r}", "not_found")
         return JSONResponse(stored.to_openai())
 
+    async def alive(_: Request) -> Response:
+        # The process answers (a liveness probe), whether or not it can serve now (/health).
+        return JSONResponse({"status": "alive"})
+
     async def health(_: Request) -> Response:
         ready, detail = model.health()
         return JSONResponse({"status": "ok" if ready else "unavailable", **detail}, status_code=200 if ready else 503)
@@ -605,6 +609,7 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await model.start()
         yield
         await model.aclose()
         files.close()
@@ -615,6 +620,7 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
         routes=[
             Route("/", demo_page),
             Route("/health", health),
+            Route("/livez", alive),
             Route("/openapi.json", openapi_spec),
             Route("/stats", engine_stats),
             Route("/flush_cache", flush_cache, methods=["POST"]),

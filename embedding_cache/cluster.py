@@ -141,7 +141,10 @@ class ClusterStats:
 
 
 class EmbeddingCache:
-    """Local shared memory, then the key's owner machine (when a ring is given)."""
+    """Local shared memory, then the key's owner machine (when a ring is given).
+    ``node`` is this machine's name in the ring; a process on a machine that
+    owns no keys (an LLM worker beside no encoder) passes None and asks each
+    key's owner."""
 
     def __init__(
         self,
@@ -150,16 +153,22 @@ class EmbeddingCache:
         node: str | None = None,
         remotes: Mapping[str, RemoteCacheNode] | None = None,
     ) -> None:
-        if ring is not None and (node is None or node not in ring.nodes):
+        self.local = local
+        self.node = node
+        self.ring: ConsistentHashRing | None = None
+        self.remotes: dict[str, RemoteCacheNode] = {}
+        self.set_ring(ring, remotes or {})
+        self.stats = ClusterStats()
+
+    def set_ring(self, ring: ConsistentHashRing | None, remotes: Mapping[str, RemoteCacheNode]) -> None:
+        """The machines of the cluster, now (they change when machines come and go)."""
+        node = self.node
+        if ring is not None and node is not None and node not in ring.nodes:
             raise ValueError(f"this node {node!r} must be one of the ring's nodes {ring.nodes}")
-        missing = set(ring.nodes if ring is not None else ()) - {node} - set(remotes or {})
+        missing = set(ring.nodes if ring is not None else ()) - {node} - set(remotes)
         if missing:
             raise ValueError(f"no address for ring nodes {sorted(missing)}")
-        self.local = local
-        self.ring = ring
-        self.node = node
-        self.remotes = dict(remotes or {})
-        self.stats = ClusterStats()
+        self.ring, self.remotes = ring, dict(remotes)
 
     def owner(self, key: bytes) -> str | None:
         return None if self.ring is None else self.ring.node_for(key)

@@ -42,6 +42,12 @@ def placeholder_token_ids(model_dir: str | Path) -> dict[str, int]:
     return {kind: int(config[key]) for kind, key in _TOKEN_ID_KEYS.items() if config.get(key) is not None}
 
 
+def encoder_kinds(model_dir: str | Path) -> frozenset[str]:
+    """The encoders the checkpoint's config.json declares ("vision", "audio"), without loading them."""
+    config = read_config_json(model_dir)
+    return frozenset(kind for kind, key in (("vision", "vision_config"), ("audio", "audio_config")) if key in config)
+
+
 def load_encoders(
     model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> dict[str, VisionEncoder | AudioEncoder]:

@@ -69,11 +69,13 @@ def plan_stack(
     route_args: Sequence[str] = (),
     http_args: Sequence[str] = (),
     engine_args: Sequence[str] = (),
+    kv_disk_dir: str | None = None,
     log_level: str = "info",
 ) -> StackPlan:
     """Encoders first, then workers, then the API that connects to them all.
     ``internal_ports``: two per encoder and worker (message, health), on
-    localhost; ``*_args`` are passed through to the roles that take them."""
+    localhost; ``*_args`` are passed through to the roles that take them;
+    each worker gets its own directory under ``kv_disk_dir``."""
     if workers < 1:
         raise ValueError("a stack needs at least one worker")
     if encoders < 0:
@@ -94,6 +96,8 @@ def plan_stack(
                 argv += ["--embedding-cache-mib", str(embedding_cache_mib)]
             else:
                 argv += list(engine_args)
+                if kv_disk_dir:
+                    argv += ["--kv-disk-dir", str(Path(kv_disk_dir) / name)]
             roles.append(RolePlan(name, role, tuple(argv), f"http://{local}:{health_port}/health",
                                   f"tcp://{local}:{zmq_port}"))
     api_argv = ["api", *model_arg, "--host", host, "--port", str(port),

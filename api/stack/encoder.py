@@ -1,0 +1,185 @@
+"""`swallow encoder`: media in, embeddings into the machine's shared memory.
+
+An API sends one message per media item (a path on a shared spool, or the
+bytes); the encoder looks it up in the embedding cache, else decodes,
+preprocesses and encodes it in a forward batched with other requests'
+items, stores the rows in the shared-memory store (and with the key's owner
+machine on the ring), and answers with the content key and the number of
+rows. Workers read the rows by that key: tensors never cross a socket.
+A media failure is that item's alone (a 4xx with the reason).
+
+Its HTTP port serves /health, /metrics and, for other machines' lookups,
+/internal/embeddings/{key}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import zmq
+import zmq.asyncio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from api.metrics import ServerMetrics
+from api.runtime import embed_media, media_config, media_kinds
+from api.stack import messages as m
+from api.stack.embeddings import embedding_cache, keep_ring_fresh
+from api.stack.service import HttpSide, Peers, every, install_stop_signals
+from api.stack.transport import bind_router, recv_message, send
+from embedding_cache import MediaEmbedder, SharedEmbeddingStore, embedding_cache_routes
+from encoders import BatcherConfig, EncoderBatcher, EncoderQueueFull
+from encoders.multimodal_checkpoint import load_encoders, placeholder_token_ids
+from media import MediaError, MediaLimits
+
+__all__ = ["EncoderConfig", "EncoderService", "run_encoder"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    model_dir: Path
+    host: str
+    port: int
+    health_port: int
+    encoder_id: str
+    store_name: str
+    store_bytes: int = 256 << 20
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_file_bytes: int = 512 << 20
+    embedding_peers: str = ""
+    embedding_node: str | None = None
+
+
+class EncoderService:
+    def __init__(self, config: EncoderConfig) -> None:
+        self.config = config
+        self.incarnation = uuid.uuid4().hex
+        self.metrics = ServerMetrics()
+        encoders = load_encoders(config.model_dir, dtype=_DTYPES[config.dtype], device=config.device)
+        self.media_kinds = sorted(media_kinds(set(encoders), placeholder_token_ids(config.model_dir)))
+        self.store = SharedEmbeddingStore.open(config.store_name, config.store_bytes)
+        self.cache = embedding_cache(self.store, config.embedding_peers, config.embedding_node)
+        self.batcher = EncoderBatcher(encoders, BatcherConfig(), on_batch=self.metrics.observe_encoder_batch)
+        limits = MediaLimits(max_file_bytes=config.max_file_bytes)
+        self.embedder = MediaEmbedder(self.batcher, self.cache, media_config(config.model_dir, limits))
+        self.peers = Peers()
+        self.in_flight: dict[str, tuple[bytes, asyncio.Task[None]]] = {}
+        self._sock: zmq.asyncio.Socket | None = None
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        context = zmq.asyncio.Context()
+        self._sock = bind_router(context, self.config.host, self.config.port)
+        http = HttpSide(self._http_routes(), self.config.host, self.config.health_port)
+        await http.start()
+        tasks = [asyncio.create_task(self._receive()),
+                 asyncio.create_task(every(1.0, self._forget_silent_peers, "checking peers")),
+                 asyncio.create_task(keep_ring_fresh(self.cache, self.config.embedding_peers))]
+        log.info("encoder %s (%s) on tcp://%s:%d, store %s", self.config.encoder_id, ", ".join(self.media_kinds),
+                 self.config.host, self.config.port, self.config.store_name)
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for _, task in list(self.in_flight.values()):
+                task.cancel()
+            await asyncio.gather(*tasks, *(t for _, t in self.in_flight.values()), return_exceptions=True)
+            await http.stop()
+            self._sock.close()
+            context.term()
+            await self.batcher.aclose()
+            self.embedder.close()
+            await self.cache.aclose()
+            self.store.close()
+
+    async def _receive(self) -> None:
+        assert self._sock is not None
+        while True:
+            identity, message = await recv_message(self._sock, with_identity=True)
+            assert identity is not None
+            self.peers.seen(identity)
+            if isinstance(message, m.Ping):
+                await send(self._sock, self._pong(message), identity)
+            elif isinstance(message, m.EmbedMedia):
+                task = asyncio.create_task(self._embed(identity, message))
+                self.in_flight[message.request_id] = (identity, task)
+            else:
+                log.warning("unexpected %s", type(message).__name__)
+
+    def _pong(self, ping: m.Ping) -> m.EncoderPong:
+        stats = self.embedder.stats
+        return m.EncoderPong(m.PROTOCOL_VERSION, self.config.encoder_id, self.incarnation, ping.sent_at,
+                             self.media_kinds, self.config.store_name, len(self.in_flight),
+                             {"upload_hits": stats.upload_hits, "content_hits": stats.content_hits,
+                              "misses": stats.misses, "store": self.store.stats()})
+
+    async def _embed(self, identity: bytes, request: m.EmbedMedia) -> None:
+        assert self._sock is not None
+        rid = request.request_id
+        try:
+            answer = await self._embedding(request)
+        except MediaError as exc:
+            answer = m.EmbedFailed(rid, exc.status, str(exc))
+        except EncoderQueueFull as exc:
+            answer = m.EmbedFailed(rid, 503, f"{exc}; retry shortly")
+        except ValueError as exc:
+            answer = m.EmbedFailed(rid, 400, str(exc))
+        except Exception as exc:  # noqa: BLE001 - this item's failure, not the encoder's
+            log.exception("embedding a %s failed", request.kind)
+            answer = m.EmbedFailed(rid, 500, f"the {request.kind} could not be encoded: {type(exc).__name__}: {exc}")
+        finally:
+            self.in_flight.pop(rid, None)
+        self.metrics.count_embedding(request.kind, isinstance(answer, m.Embedded) and answer.cached)
+        await send(self._sock, answer, identity)
+
+    async def _embedding(self, request: m.EmbedMedia) -> m.Embedded | m.EmbedFailed:
+        if request.kind not in self.media_kinds:
+            return m.EmbedFailed(request.request_id, 400, f"this model does not take {request.kind} input")
+        if (request.path is None) == (request.data is None):
+            return m.EmbedFailed(request.request_id, 400, "a media item needs a path or its bytes, not both")
+        source = Path(request.path) if request.path is not None else request.data
+        emb = await embed_media(self.embedder, request.kind, source)  # type: ignore[arg-type]
+        if emb.key not in self.store and self.cache.ring is None:
+            size = emb.tensor.numel() * emb.tensor.element_size()
+            return m.EmbedFailed(request.request_id, 413, f"the {request.kind}'s embedding ({size} bytes) does not "
+                                 f"fit the embedding store ({self.store.capacity_bytes} bytes)")
+        return m.Embedded(request.request_id, emb.key, emb.num_tokens, emb.cached)
+
+    async def _forget_silent_peers(self) -> None:
+        for identity in self.peers.expired():
+            for rid, (who, task) in list(self.in_flight.items()):
+                if who == identity:
+                    task.cancel()
+
+    def _http_routes(self) -> list[Route]:
+        async def health(_: Request) -> Response:
+            return JSONResponse({"status": "ok", "role": "encoder", "encoder_id": self.config.encoder_id,
+                                 "incarnation": self.incarnation, "media_kinds": self.media_kinds,
+                                 "pid": os.getpid()})
+
+        async def metrics(_: Request) -> Response:
+            return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+        return [Route("/health", health), Route("/metrics", metrics), *embedding_cache_routes(self.store)]
+
+
+async def run_encoder(config: EncoderConfig) -> None:
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    started = time.perf_counter()
+    service = await asyncio.to_thread(EncoderService, config)
+    log.info("encoder %s loaded in %.1f s", config.encoder_id, time.perf_counter() - started)
+    await service.serve(stop)

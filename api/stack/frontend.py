@@ -1,0 +1,386 @@
+"""`swallow api`: the HTTP server of the stack. Its ``Frontend`` keeps the
+tokenizer, chat template and router here, sends media to encoder processes
+and requests to worker processes.
+
+Routing: every worker's KV events feed the ``Router`` (``llm_core/router.py``),
+which sends a request to the worker that can reuse the longest window-safe
+prefix of it, less a load term. Tokens come back over the worker's socket and
+are detokenized here, where stop strings end a request (the worker is told to
+abort it). A worker that stops answering leaves routing within
+``links.DEAD_AFTER_S``; its streams end with a 503 error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
+
+from api.chat import MediaRef
+from api.engine_loop import Detokenizer, EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
+from api.frontend import MediaEmbedding
+from api.metrics import ServerMetrics
+from api.runtime import ServerOptions, media_kinds
+from api.stack import messages as m
+from api.stack.links import Link, LinkSet, ServiceDown
+from api.stack.transport import parse_peers, send
+from encoders.multimodal_checkpoint import encoder_kinds, placeholder_token_ids
+from llm_core import ModelConfig, MultimodalSpan, SamplingParams
+from llm_core.chat import ChatTemplate
+from llm_core.llm import check_context_length, encode_prompt
+from llm_core.multimodal import SpanRef, with_cache_tokens
+from llm_core.router import CacheGeometry, NoWorkers, Router
+from llm_core.tokenizer import Tokenizer
+from media import MediaError
+
+__all__ = ["EncoderLinks", "RemoteEmbedder", "RemoteEngineClient", "StackFrontend", "WorkerLinks"]
+
+log = logging.getLogger(__name__)
+
+_FLUSH_TIMEOUT_S = 60.0
+
+
+# ------------------------------------------------------------------ workers
+class WorkerLinks(LinkSet[m.WorkerPong]):
+    """The workers, kept in the router while they answer."""
+
+    def __init__(self, peers: str, router: Router, sender: str) -> None:
+        super().__init__(parse_peers(peers), m.WorkerPong, sender)
+        if not self.peers:
+            raise ValueError("the API needs at least one worker address (--workers)")
+        self.router = router
+        self._flushes: dict[str, asyncio.Future[dict[str, Any]]] = {}
+
+    def on_up(self, link: Link[m.WorkerPong]) -> None:
+        pong = link.pong
+        assert pong is not None
+        # No fingerprint (prefix caching off): nothing to reuse there, but it takes requests.
+        geometry = CacheGeometry(pong.fingerprint or b"", max(pong.page_size, 1), pong.window_tokens,
+                                 pong.keep_all_swa)
+        self.router.add_worker(pong.worker_id, geometry)  # from an empty index: a restarted worker has nothing
+
+    def on_down(self, link: Link[m.WorkerPong]) -> None:
+        if link.pong is not None:
+            self.router.remove_worker(link.pong.worker_id)
+
+    def on_pong(self, link: Link[m.WorkerPong]) -> None:
+        pong = link.pong
+        assert pong is not None
+        self.router.report_load(pong.worker_id, pong.queued_tokens, pong.running)
+
+    def on_message(self, link: Link[m.WorkerPong], message: object) -> None:
+        if isinstance(message, m.KVEventsMsg):
+            if link.alive and message.incarnation == link.incarnation:
+                if not self.router.apply_events(message.worker_id, message.batch()):
+                    asyncio.create_task(self._send(link, m.SnapshotRequest()))
+        elif isinstance(message, m.Flushed):
+            future = self._flushes.get(f"{link.address}/{message.token}")
+            if future is not None and not future.done():
+                future.set_result(message.stats)
+        else:
+            super().on_message(link, message)
+
+    async def _send(self, link: Link[m.WorkerPong], message: object) -> None:
+        await send(link.sock, message)
+
+    def by_id(self, worker_id: str) -> Link[m.WorkerPong]:
+        for link in self.links.values():
+            if link.alive and link.pong is not None and link.pong.worker_id == worker_id:
+                return link
+        raise ServiceDown(f"worker {worker_id} is gone; retry the request")
+
+    async def flush(self) -> list[dict[str, Any]]:
+        """Every live worker's stats after it dropped every prefix no request holds."""
+        token = uuid.uuid4().hex
+        waits = []
+        for link in self.alive():
+            future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+            self._flushes[f"{link.address}/{token}"] = future
+            await self._send(link, m.Flush(token))
+            waits.append(future)
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), _FLUSH_TIMEOUT_S)
+        finally:
+            for key in [k for k in self._flushes if k.endswith(token)]:
+                del self._flushes[key]
+        return [stats for stats in done if isinstance(stats, dict)]
+
+
+class RemoteEngineClient:
+    """``EngineClient`` over the workers: route, submit, stream."""
+
+    def __init__(self, workers: WorkerLinks, max_pending: int) -> None:
+        self.workers = workers
+        self.router = workers.router
+        self.max_pending = max_pending
+        self._pending = 0
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def stats(self) -> dict[str, Any]:
+        """The live workers' stats summed (pools, cache, queues), and each one's."""
+        per_worker = {link.name: link.pong.stats for link in self.workers.alive() if link.pong is not None}
+        return aggregate_stats(list(per_worker.values())) | {
+            "workers": per_worker, "routing": {"policy": self.router.policy, "workers": self.router.loads(),
+                                               "decisions": decision_counts(self.router)}}
+
+    async def flush_cache(self) -> dict[str, Any]:
+        return aggregate_stats(await self.workers.flush())
+
+    async def open(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spans: Sequence[MultimodalSpan | SpanRef] = (),
+        text: Detokenizer | None = None,
+    ) -> AsyncGenerator[StreamEvent, None]:
+        stream = self._stream(prompt_ids, params, spans, text)
+        await stream.__anext__()  # admitted: from here closing the stream aborts the request
+        return stream  # type: ignore[return-value]
+
+    async def _stream(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spans: Sequence[MultimodalSpan | SpanRef],
+        text: Detokenizer | None,
+    ) -> AsyncGenerator[StreamEvent | None, None]:
+        if self._pending >= self.max_pending:
+            raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
+        request_id = uuid.uuid4().hex
+        try:
+            decision = self.router.route(request_id, with_cache_tokens(prompt_ids, spans))
+        except NoWorkers:
+            raise EngineUnavailable("no worker is available; retry shortly") from None
+        self._pending += 1
+        finished = False
+        link: Link[m.WorkerPong] | None = None
+        try:
+            link = self.workers.by_id(decision.worker_id)
+            submit = m.Submit(request_id, link.incarnation, list(prompt_ids),
+                              [m.SpanSpec(s.offset, s.length, s.key) for s in spans], m.SamplingSpec.of(params))
+            queue = await self.workers.request(link, request_id, submit)
+            answer = await queue.get()
+            if not isinstance(answer, m.Admitted):
+                finished = True  # refused or lost before admission: the worker holds nothing of it
+                raise _error_of(answer)
+            yield None
+            async for event in self._tokens(queue, request_id, text):
+                yield event
+                if event.finish_reason is not None:
+                    finished = True
+                    return
+        except ServiceDown as exc:
+            finished = True
+            raise EngineUnavailable(str(exc)) from None
+        except (RequestFailed, EngineUnavailable):
+            finished = True
+            raise
+        finally:
+            self._pending -= 1
+            self.router.prefill_done(request_id)
+            if link is not None:
+                link.waiting.pop(request_id, None)
+                if not finished and link.alive:  # the client left, or a stop string ended it here
+                    await self.workers._send(link, m.Abort(request_id))
+
+    async def _tokens(self, queue: asyncio.Queue[Any], request_id: str,
+                      text: Detokenizer | None) -> AsyncGenerator[StreamEvent, None]:
+        first = True
+        while True:
+            message = await queue.get()
+            if not isinstance(message, m.Tokens):
+                raise _error_of(message)
+            if first:
+                first = False
+                self.router.prefill_done(request_id)
+            for i, token in enumerate(message.tokens):
+                reason = message.finish_reason if i == len(message.tokens) - 1 else None
+                yield _with_text(token, reason, text)
+
+
+def _with_text(token: int, reason: str | None, text: Detokenizer | None) -> StreamEvent:
+    if text is None:
+        return StreamEvent(token, reason)
+    try:
+        delta = text.push(token, final=reason is not None)
+    except Exception as exc:  # noqa: BLE001 - this request's problem
+        raise RequestFailed(f"the request's text could not be decoded: {type(exc).__name__}: {exc}") from exc
+    return StreamEvent(token, "stop" if text.stopped else reason, delta)
+
+
+def _error_of(message: object) -> Exception:
+    """The exception a worker's refusal, failure or loss means here."""
+    if isinstance(message, Exception):
+        return EngineUnavailable(str(message)) if isinstance(message, ServiceDown) else message
+    if isinstance(message, m.Refused | m.Failed):
+        if message.status == 429:
+            return EngineOverloaded(message.message)
+        if message.status == 503:
+            return EngineUnavailable(message.message)
+        if message.status >= 500:
+            return RequestFailed(message.message)
+        return ValueError(message.message)
+    return RequestFailed(f"unexpected answer from the worker: {type(message).__name__}")
+
+
+def aggregate_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several engines' stats as one: counts and capacities summed, the hit rate recomputed."""
+    if not stats:
+        return {}
+    out = _sum(stats)
+    cache = out.get("prefix_cache")
+    if isinstance(cache, dict):
+        total = cache.get("cached_prompt_tokens", 0) + cache.get("computed_prompt_tokens", 0)
+        cache["hit_rate"] = round(cache.get("cached_prompt_tokens", 0) / total, 4) if total else 0.0
+    return out
+
+
+# Values that are the same on every worker (bounds, sizes, settings) or not sums.
+_NOT_ADDITIVE = frozenset({"bytes_per_token", "num_speculative_tokens", "latency_buckets_s", "bucket_edges",
+                           "restore_seconds_buckets", "hit_rate", "mean_acceptance_length", "swa_mode", "policy"})
+
+
+def _sum(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, bool) or not isinstance(first, int | float | dict | list):
+        return first
+    if isinstance(first, dict):
+        keys = dict.fromkeys(k for v in values if isinstance(v, dict) for k in v)
+        present = {k: [v[k] for v in values if isinstance(v, dict) and v.get(k) is not None] or [None] for k in keys}
+        return {k: vs[0] if k in _NOT_ADDITIVE else _sum(vs) for k, vs in present.items()}
+    if isinstance(first, list):
+        if all(isinstance(v, list) and len(v) == len(first) for v in values) and \
+                all(isinstance(x, int | float) and not isinstance(x, bool) for v in values for x in v):
+            return [sum(col) for col in zip(*values)]
+        return first
+    return sum(v for v in values if isinstance(v, int | float))
+
+
+def decision_counts(router: Router) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for (worker, reason), count in router.decisions.items():
+        out.setdefault(worker, {})[reason] = count
+    return out
+
+
+# ----------------------------------------------------------------- encoders
+class EncoderLinks(LinkSet[m.EncoderPong]):
+    pass
+
+
+class RemoteEmbedder:
+    """``Embedder`` over the encoder processes: the item goes to the live
+    encoder with the fewest of this API's items in flight."""
+
+    def __init__(self, encoders: EncoderLinks, shared_spool: bool) -> None:
+        self.encoders = encoders
+        self.shared_spool = shared_spool
+
+    async def embed(self, ref: MediaRef) -> MediaEmbedding:
+        live = self.encoders.alive()
+        if not live:
+            raise EngineUnavailable("no encoder is available; retry shortly")
+        link = min(live, key=lambda link: len(link.waiting))
+        request_id = uuid.uuid4().hex
+        path = str(ref.path.resolve()) if self.shared_spool and ref.path is not None else None
+        message = m.EmbedMedia(request_id, ref.kind, path, None if path is not None else ref.read())
+        try:
+            queue = await self.encoders.request(link, request_id, message)
+            answer = await queue.get()
+        except ServiceDown as exc:
+            raise EngineUnavailable(str(exc)) from None
+        finally:
+            link.waiting.pop(request_id, None)
+        if isinstance(answer, ServiceDown):
+            raise EngineUnavailable(f"the encoder handling this {ref.kind} stopped ({answer}); retry the request")
+        if isinstance(answer, m.EmbedFailed):
+            if answer.status >= 500:
+                raise (EngineUnavailable if answer.status == 503 else RequestFailed)(answer.message)
+            raise MediaError(answer.message, answer.status)
+        if not isinstance(answer, m.Embedded):
+            raise RequestFailed(f"unexpected answer from the encoder: {type(answer).__name__}")
+        return MediaEmbedding(ref.kind, answer.key, answer.rows, answer.cached)
+
+
+# ----------------------------------------------------------------- frontend
+class StackFrontend:
+    """The ``Frontend`` of `swallow api`: no weights here, only the model's
+    config, tokenizer and chat template."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        workers: str,
+        encoders: str = "",
+        name: str | None = None,
+        options: ServerOptions = ServerOptions(),
+        metrics: ServerMetrics | None = None,
+        route_policy: str = "kv-affinity",
+        route_load_weight: float = 1.0,
+        shared_spool: bool = False,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.name = name or self.model_dir.name
+        self.options = options
+        self.metrics = metrics
+        self.config = ModelConfig.from_json_file(self.model_dir / "config.json")
+        self._tokenizer = Tokenizer.from_model_dir(self.model_dir)
+        self.chat_template = ChatTemplate.from_model_dir(self.model_dir)
+        self.placeholder_ids = placeholder_token_ids(self.model_dir)
+        sender = f"api-{uuid.uuid4().hex[:8]}"
+        self.router = Router(route_policy, route_load_weight)
+        self.workers = WorkerLinks(workers, self.router, sender)
+        self.encoders = EncoderLinks(parse_peers(encoders), m.EncoderPong, sender) if encoders else None
+        self.engine = RemoteEngineClient(self.workers, options.max_pending_requests)
+        self._embedder = RemoteEmbedder(self.encoders, shared_spool) if self.encoders is not None else None
+        self._kinds = media_kinds(encoder_kinds(self.model_dir), self.placeholder_ids) if encoders else frozenset()
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def media_kinds(self) -> frozenset[str]:
+        return self._kinds
+
+    @property
+    def embedder(self) -> RemoteEmbedder | None:
+        return self._embedder
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return encode_prompt(prompt, self._tokenizer, self.vocab_size, self.model_dir)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        # The KV pools' limits are each worker's to check, at admission.
+        check_context_length(num_prompt_tokens, max_tokens, self.context_length)
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        workers = {link.name: link.alive for link in self.workers.links.values()}
+        encoders = {link.name: link.alive for link in self.encoders.links.values()} if self.encoders else {}
+        return any(workers.values()), {"role": "api", "workers": workers, "encoders": encoders,
+                                       "route_policy": self.router.policy}
+
+    async def start(self) -> None:
+        await self.workers.start()
+        if self.encoders is not None:
+            await self.encoders.start()
+
+    async def aclose(self) -> None:
+        await self.workers.aclose()
+        if self.encoders is not None:
+            await self.encoders.aclose()

@@ -1,0 +1,99 @@
+"""What the encoder and worker processes share: their lifetime (a stop event
+set by SIGTERM/SIGINT), the HTTP side port (health, metrics), and the APIs
+that talk to them (registered by their pings, forgotten when they go quiet)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+__all__ = ["HttpSide", "Peers", "install_stop_signals"]
+
+log = logging.getLogger(__name__)
+
+# An API that has not pinged for this long is gone: its requests are aborted.
+PEER_TIMEOUT_S = 5.0
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn inside a process that handles its own signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpSide:
+    """A small HTTP server beside a role's message socket, in the same event loop."""
+
+    def __init__(self, routes: list[Route], host: str, port: int, log_level: str = "warning") -> None:
+        config = uvicorn.Config(Starlette(routes=routes), host=host, port=port, log_level=log_level,
+                                lifespan="off", access_log=False)
+        self._server = _QuietServer(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # the port was taken, say
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, timeout=5)
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+@dataclass
+class Peers:
+    """The APIs talking to a service, by their socket identity."""
+
+    last_seen: dict[bytes, float] = field(default_factory=dict)
+
+    def seen(self, identity: bytes) -> bool:
+        """Record a message from ``identity``; True when it is new."""
+        new = identity not in self.last_seen
+        self.last_seen[identity] = time.monotonic()
+        return new
+
+    def expired(self, timeout_s: float = PEER_TIMEOUT_S) -> list[bytes]:
+        now = time.monotonic()
+        gone = [peer for peer, seen in self.last_seen.items() if now - seen > timeout_s]
+        for peer in gone:
+            del self.last_seen[peer]
+        return gone
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self.last_seen))
+
+
+async def every(seconds: float, fn: Callable[[], object], what: str) -> None:
+    """Run ``fn`` (sync or async) every ``seconds`` until cancelled; a failure is logged, not fatal."""
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            result = fn()
+            if asyncio.iscoroutine(result):
+                await result
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a periodic chore must not end the service
+            log.exception("%s failed", what)

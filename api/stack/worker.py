@@ -1,0 +1,283 @@
+"""`swallow worker`: one engine behind a ZeroMQ socket.
+
+An API registers by pinging (every ping is answered with the worker's load,
+its stats and what a router needs of its cache: fingerprint, page size,
+window); from then on the worker sends it its KV events -- first a snapshot,
+then every batch the engine's cache recorded, about every 20 ms. Requests
+arrive with ids the API chose and their multimodal spans as embedding-store
+keys; the worker reads the rows from the machine's shared memory (or the
+key's owner machine), admits the request, and streams its tokens back. An
+API that stops pinging is gone: its requests are aborted, their KV freed.
+
+The engine runs on its own thread (``AsyncEngine``), so the socket is served
+while a forward runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from api.engine_loop import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed
+from api.metrics import ServerMetrics
+from api.stack import messages as m
+from api.stack.embeddings import embedding_cache, keep_ring_fresh
+from api.stack.service import HttpSide, Peers, every, install_stop_signals
+from api.stack.transport import bind_router, recv_message, send
+from embedding_cache import EmbeddingCache, SharedEmbeddingStore
+from llm_core import LLM, MultimodalSpan
+from llm_core.kv_events import KVEventLog
+from llm_core.llm import encode_prompt
+
+__all__ = ["WorkerConfig", "WorkerService", "run_worker"]
+
+log = logging.getLogger(__name__)
+
+EVENT_INTERVAL_S = 0.02
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_dir: Path
+    host: str
+    port: int
+    health_port: int
+    worker_id: str
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    max_pending: int = 256
+    store_name: str | None = None
+    embedding_peers: str = ""
+    embedding_node: str | None = None
+    log_level: str = "info"
+
+
+class MissingEmbedding(LookupError):
+    pass
+
+
+class WorkerService:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.incarnation = uuid.uuid4().hex
+        self.events = KVEventLog()
+        self.llm = LLM(config.model_dir, kv_events=self.events, **config.engine_options)
+        self.engine = AsyncEngine(self.llm, max_pending=config.max_pending)
+        # The encoders create the store (with its size); a worker only attaches, once there is one.
+        self.store: SharedEmbeddingStore | None = None
+        self.embeddings: EmbeddingCache = embedding_cache(None, config.embedding_peers, config.embedding_node)
+        self._attach_store()
+        self.peers = Peers()
+        self.requests: dict[str, tuple[bytes, asyncio.Task[None]]] = {}
+        self.metrics = ServerMetrics()
+        self._sock: zmq.asyncio.Socket | None = None
+
+    # ----------------------------------------------------------------- life
+    async def serve(self, stop: asyncio.Event) -> None:
+        context = zmq.asyncio.Context()
+        self._sock = bind_router(context, self.config.host, self.config.port)
+        http = HttpSide(self._http_routes(), self.config.host, self.config.health_port)
+        await http.start()
+        tasks = [asyncio.create_task(self._receive()),
+                 asyncio.create_task(every(EVENT_INTERVAL_S, self._publish_events, "sending KV events")),
+                 asyncio.create_task(every(1.0, self._forget_silent_peers, "checking peers")),
+                 asyncio.create_task(keep_ring_fresh(self.embeddings, self.config.embedding_peers))]
+        log.info("worker %s serving %s on tcp://%s:%d (health on %d)", self.config.worker_id,
+                 self.config.model_dir, self.config.host, self.config.port, self.config.health_port)
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for _, task in list(self.requests.values()):
+                task.cancel()
+            await asyncio.gather(*tasks, *(t for _, t in self.requests.values()), return_exceptions=True)
+            await http.stop()
+            self._sock.close()
+            context.term()
+            self.engine.close()
+            self.llm.close()
+            await self.embeddings.aclose()
+            if self.store is not None:
+                self.store.close()
+
+    # ------------------------------------------------------------ messages
+    async def _receive(self) -> None:
+        assert self._sock is not None
+        while True:
+            identity, message = await recv_message(self._sock, with_identity=True)
+            assert identity is not None
+            try:
+                await self._handle(identity, message)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the worker
+                log.exception("handling %s failed", type(message).__name__)
+
+    async def _handle(self, identity: bytes, message: object) -> None:
+        if isinstance(message, m.Ping):
+            if self.peers.seen(identity):
+                log.info("API %s registered", message.sender)
+                await self._send(identity, self._snapshot())
+            await self._send(identity, self._pong(message))
+            return
+        self.peers.seen(identity)
+        if isinstance(message, m.Submit):
+            task = asyncio.create_task(self._serve_request(identity, message))
+            self.requests[message.request_id] = (identity, task)
+        elif isinstance(message, m.Abort):
+            held = self.requests.get(message.request_id)
+            if held is not None and held[0] == identity:
+                held[1].cancel()
+        elif isinstance(message, m.Flush):
+            asyncio.create_task(self._flush(identity, message))
+        elif isinstance(message, m.SnapshotRequest):
+            await self._send(identity, self._snapshot())
+        else:
+            log.warning("unexpected %s from an API", type(message).__name__)
+
+    async def _send(self, identity: bytes, message: object) -> bool:
+        assert self._sock is not None
+        return await send(self._sock, message, identity)
+
+    def _pong(self, ping: m.Ping) -> m.WorkerPong:
+        stats = self.engine.stats()
+        cache = self.llm.engine.cache
+        geometry = cache.geometry() if cache is not None and self.llm.engine.fingerprint is not None else None
+        return m.WorkerPong(
+            m.PROTOCOL_VERSION, self.config.worker_id, self.incarnation, ping.sent_at, self.llm.model_dir.name,
+            geometry.fingerprint if geometry else None, geometry.page_size if geometry else 0,
+            geometry.window_tokens if geometry else 0, geometry.keep_all_swa if geometry else False,
+            int(stats.get("queued_prompt_tokens", 0)), int(stats.get("running_requests", 0)),
+            int(stats.get("waiting_requests", 0)), self.engine.pending, stats)
+
+    def _snapshot(self) -> m.KVEventsMsg:
+        return m.KVEventsMsg.of(self.config.worker_id, self.incarnation, self.events.snapshot())
+
+    async def _publish_events(self) -> None:
+        batch = self.events.drain()
+        if not batch.events:
+            return
+        message = m.KVEventsMsg.of(self.config.worker_id, self.incarnation, batch)
+        for identity in self.peers:
+            # A peer that misses a batch sees the gap in the next one and asks for a snapshot.
+            await self._send(identity, message)
+
+    async def _forget_silent_peers(self) -> None:
+        for identity in self.peers.expired():
+            lost = [task for rid, (who, task) in self.requests.items() if who == identity]
+            log.warning("an API went quiet; aborting its %d requests", len(lost))
+            for task in lost:
+                task.cancel()
+
+    async def _flush(self, identity: bytes, message: m.Flush) -> None:
+        stats = await self.engine.flush_cache()
+        await self._send(identity, m.Flushed(message.token, stats))
+
+    # ------------------------------------------------------------ requests
+    async def _serve_request(self, identity: bytes, submit: m.Submit) -> None:
+        rid = submit.request_id
+        try:
+            try:
+                stream = await self._admit(submit)
+            except (ValueError, MissingEmbedding, EngineOverloaded, EngineUnavailable, RequestFailed) as exc:
+                await self._send(identity, m.Refused(rid, _refusal_status(exc), str(exc)))
+                return
+            try:
+                await self._send(identity, m.Admitted(rid))
+                async for event in stream:
+                    await self._send(identity, m.Tokens(rid, [event.token], event.finish_reason))
+            except (RequestFailed, EngineUnavailable) as exc:
+                await self._send(identity, m.Failed(rid, 500 if isinstance(exc, RequestFailed) else 503, str(exc)))
+            finally:
+                await stream.aclose()  # an abort (cancelled task) frees the request's KV here
+        finally:
+            held = self.requests.get(rid)
+            if held is not None and held[1] is asyncio.current_task():
+                del self.requests[rid]
+
+    async def _admit(self, submit: m.Submit) -> Any:
+        if submit.incarnation != self.incarnation:
+            raise EngineUnavailable(f"worker {self.config.worker_id} restarted since this request was routed to it")
+        params = submit.sampling.params()
+        prompt = encode_prompt(submit.prompt_ids, None, self.llm.config.vocab_size, self.llm.model_dir)
+        spans = await self._spans(submit.spans)
+        self.llm.check_length(len(prompt), params.max_tokens)
+        return await self.engine.open(prompt, params, spans)
+
+    def _attach_store(self) -> None:
+        if self.store is not None or not self.config.store_name:
+            return
+        try:
+            self.store = SharedEmbeddingStore.attach(self.config.store_name)
+        except FileNotFoundError:
+            return  # no encoder has created it yet
+        self.embeddings.local = self.store
+
+    async def _spans(self, refs: Sequence[m.SpanSpec]) -> list[MultimodalSpan]:
+        if refs:
+            self._attach_store()
+        spans = []
+        for ref in refs:
+            rows = await self.embeddings.get(ref.key)
+            if rows is None:
+                raise MissingEmbedding(f"the embedding {ref.key.hex()[:16]}... is not in the embedding store "
+                                       "(evicted, or its encoder's machine is unreachable); retry the request")
+            if rows.ndim != 2 or rows.shape[0] != ref.length:
+                raise ValueError(f"the span at {ref.offset} has {ref.length} positions, its embedding "
+                                 f"{tuple(rows.shape)} rows")
+            spans.append(MultimodalSpan(ref.offset, rows, ref.key))
+        return spans
+
+    # ---------------------------------------------------------------- HTTP
+    def _http_routes(self) -> list[Route]:
+        async def health(_: Request) -> Response:
+            broken = self.engine.broken
+            body = {"status": "unavailable" if broken else "ok", "role": "worker", "worker_id": self.config.worker_id,
+                    "incarnation": self.incarnation, "pid": os.getpid()}
+            if broken:
+                body["reason"] = broken
+            return JSONResponse(body, status_code=503 if broken else 200)
+
+        async def stats(_: Request) -> Response:
+            return JSONResponse(self.engine.stats() | {"pending_requests": self.engine.pending})
+
+        async def metrics(_: Request) -> Response:
+            self.metrics.set_engine_stats(self.engine.stats())
+            return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+        return [Route("/health", health), Route("/stats", stats), Route("/metrics", metrics)]
+
+
+def _refusal_status(exc: Exception) -> int:
+    if isinstance(exc, EngineOverloaded):
+        return 429
+    if isinstance(exc, EngineUnavailable | MissingEmbedding):
+        return 503
+    if isinstance(exc, RequestFailed):
+        return 500
+    return 400
+
+
+def default_id(role: str, port: int) -> str:
+    return f"{role}-{socket.gethostname()}-{port}"
+
+
+async def run_worker(config: WorkerConfig) -> None:
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    started = time.perf_counter()
+    service = await asyncio.to_thread(WorkerService, config)  # loading the weights does not block the loop
+    log.info("worker %s loaded in %.1f s", config.worker_id, time.perf_counter() - started)
+    await service.serve(stop)
