@@ -1,8 +1,11 @@
-"""Starting `swallow serve` as a subprocess on localhost: for live tests and the
-load benchmark, which must measure the server a user runs, not an in-process app."""
+"""Starting `swallow serve` or `swallow stack` as a subprocess on localhost: for
+live tests and benchmarks, which must measure the server a user runs, not an
+in-process app."""
 
 from __future__ import annotations
 
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -10,12 +13,13 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-__all__ = ["RunningServer", "ServerStartError", "free_port", "launch_server"]
+__all__ = ["RunningServer", "RunningStack", "ServerStartError", "StackRole", "free_port", "launch_server",
+           "launch_stack"]
 
 LOCALHOST = "127.0.0.1"
 
@@ -66,6 +70,81 @@ def launch_server(
     finally:
         _stop(proc)
         log_path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class StackRole:
+    name: str
+    pid: int  # as started; a restarted role has another (its /health says which)
+    address: str
+    health_url: str
+
+    def current_pid(self) -> int | None:
+        try:
+            return int(httpx.get(self.health_url, timeout=2).json()["pid"])
+        except (httpx.HTTPError, KeyError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
+class RunningStack(RunningServer):
+    roles: dict[str, StackRole] = field(default_factory=dict)
+    store_name: str = ""
+
+
+_ROLE_LINE = re.compile(r"^\s+(\S+)\s+pid (\d+)\s+(\S+)\s+(\S+)$")
+
+
+@contextmanager
+def launch_stack(
+    model_dir: str | Path,
+    *extra_args: str,
+    workers: int = 2,
+    encoders: int = 1,
+    startup_timeout_s: float = 300.0,
+) -> Iterator[RunningStack]:
+    """`swallow stack` on a free port, yielded once it says it serves (every role
+    healthy), stopped with SIGINT (Ctrl-C) on exit."""
+    port = free_port()
+    argv = [sys.executable, "-m", "api.cli", "stack", "--model", str(model_dir), "--workers", str(workers),
+            "--encoders", str(encoders), "--host", LOCALHOST, "--port", str(port), "--log-level", "warning",
+            *extra_args]
+    with tempfile.NamedTemporaryFile("w+", prefix="swallow-stack-", suffix=".log", delete=False) as log:
+        log_path = Path(log.name)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        stack = _wait_stack(proc, log_path, port, startup_timeout_s)
+        yield stack
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log_path.unlink(missing_ok=True)
+
+
+def _wait_stack(proc: subprocess.Popen, log_path: Path, port: int, timeout_s: float) -> RunningStack:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = log_path.read_text(errors="replace")
+        if "Swallow stack is serving at" in text:
+            roles = {}
+            for line in text.splitlines():
+                if match := _ROLE_LINE.match(line):
+                    name, pid, address, health = match.groups()
+                    roles[name] = StackRole(name, int(pid), address if address != "-" else "", health)
+            store = re.search(r"embedding store (\S+)\)", text)
+            return RunningStack(f"http://{LOCALHOST}:{port}", proc.pid, log_path, roles,
+                                store.group(1) if store else "")
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            raise ServerStartError(f"the stack did not start:\n{text}")
+        time.sleep(0.3)
 
 
 def _wait_healthy(server: RunningServer, proc: subprocess.Popen, timeout_s: float) -> None:

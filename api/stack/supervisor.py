@@ -90,8 +90,13 @@ class Supervisor:
                 self._wait_healthy([p for p in self.processes if p.plan.role != "api"])
             self._spawn(process)
         self._wait_healthy(self.processes)
-        print(f"Swallow stack is serving at {self.plan.url} ({self._summary()}); logs in {self.log_dir}",
-              flush=True)
+        lines = [f"Swallow stack is serving at {self.plan.url} ({self._summary()}, embedding store "
+                 f"{self.plan.store_name}); logs in {self.log_dir}"]
+        for process in self.processes:
+            assert process.proc is not None
+            lines.append(f"  {process.plan.name:<10} pid {process.proc.pid:<8} {process.plan.address or '-':<24} "
+                         f"{process.plan.health_url}")
+        print("\n".join(lines), flush=True)
 
     def stop(self) -> None:
         """Every role stopped (SIGTERM, then SIGKILL), the store removed."""

@@ -1,0 +1,246 @@
+"""`swallow stack` with real processes on localhost: an API, an encoder and two
+workers, routed round-robin here so that every request pair is served by both.
+
+Greedy answers through the stack equal the embedded server's and those of
+transformers fed the same embeddings, for text, video, image and audio; a
+worker killed mid-stream fails only its own streams, with an error event
+within 2 s, and comes back; an encoder killed mid-request fails only that
+request; Ctrl-C leaves no process and no shared-memory segment behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import threading
+import time
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from api.demo.evaluate import _answer, _request
+from api.demo.world import make_eval_set, write_media
+from api.launch import RunningStack, launch_stack
+from api.metrics import ServerMetrics
+from api.runtime import ServingModel
+from api.server import ChatService
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "models" / "demo"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[RunningStack]:
+    with launch_stack(DEMO, "--route-policy", "round-robin", workers=2, encoders=1) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, list[Path]]]:
+    """One sample of the demo world per media kind: (question, files)."""
+    out: dict[str, tuple[str, list[Path]]] = {}
+    directory = tmp_path_factory.mktemp("media")
+    for i, sample in enumerate(make_eval_set(seed=4242, per_task=1)):
+        kind = sample.media[0] if sample.media else "text"
+        if kind not in out:
+            out[kind] = (sample.question, write_media(sample, directory, f"s{i}"))
+    return out
+
+
+def _chat(url: str, question: str, files: list[Path], max_tokens: int = 24) -> dict[str, Any]:
+    parts = [{"type": "file", "file": {"file_id": f"f{i}"}} for i in range(len(files))]
+    body = {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}],
+            "max_tokens": max_tokens, "temperature": 0}
+    uploads = [("request", (None, json.dumps(body), "application/json"))]
+    uploads += [(f"f{i}", (f.name, f.read_bytes())) for i, f in enumerate(files)]
+    response = httpx.post(f"{url}/v1/chat/completions", files=uploads, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _transformers_tokens(hf_model: Any, prompt_ids: list[int], spans: list, n: int) -> list[int]:
+    """transformers' greedy tokens given the same prompt embeddings (span rows in place)."""
+    with torch.no_grad():
+        embeds = hf_model.get_input_embeddings()(torch.tensor([prompt_ids]))
+        for span in spans:
+            embeds[0, span.offset : span.end] = span.embeddings.to(embeds.dtype)
+        out = hf_model.generate(inputs_embeds=embeds, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0].tolist()  # generated from embeddings alone: only the new tokens
+
+
+def test_greedy_answers_match_the_embedded_server_and_transformers(stack: RunningStack, media_dir: dict) -> None:
+    from transformers import MiMoV2FlashForCausalLM
+
+    hf_model = MiMoV2FlashForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    cases = [("text", "Which way does the red circle move?", [])]
+    cases += [(kind, question, files) for kind, (question, files) in media_dir.items() if kind != "text"]
+    assert {kind for kind, _, _ in cases} >= {"text", "video", "image", "audio"}, sorted(media_dir)
+
+    async def embedded() -> list:
+        model = ServingModel(DEMO)
+        try:
+            chat = ChatService(model, ServerMetrics())
+            return [await _answer(chat, _request(question, files, 24)) for _, question, files in cases]
+        finally:
+            await model.aclose()
+
+    references = asyncio.run(embedded())
+    for (kind, question, files), ref in zip(cases, references):
+        hf_tokens = _transformers_tokens(hf_model, ref.prompt_ids, ref.spans, len(ref.tokens))
+        assert hf_tokens == ref.tokens, f"{kind}: the embedded server differs from transformers"
+        for _ in range(2):  # round-robin: one answer from each worker
+            answer = _chat(stack.url, question, files)
+            assert answer["choices"][0]["message"]["content"].strip() == ref.answer, kind
+            assert answer["usage"]["completion_tokens"] == len(ref.tokens), kind
+            assert answer["usage"]["prompt_tokens"] == len(ref.prompt_ids), kind
+    decisions = httpx.get(f"{stack.url}/stats", timeout=10).json()["routing"]["decisions"]
+    assert set(decisions) == {"worker-0", "worker-1"}, decisions
+
+
+def _long_stream(url: str, events: list[tuple[float, dict[str, Any] | str]], started: threading.Event) -> None:
+    """A greedy stream that runs for seconds (EOS ignored), recording (time, event)."""
+    body = {"messages": [{"role": "user", "content": "Describe the video."}], "max_tokens": 900,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            events.append((time.monotonic(), payload if payload == "[DONE]" else json.loads(payload)))
+            if len(events) > 3:
+                started.set()
+
+
+def _wait_until(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_a_worker_killed_mid_stream_fails_only_its_streams_and_comes_back(stack: RunningStack) -> None:
+    streams = [([], threading.Event()) for _ in range(2)]
+    threads = [threading.Thread(target=_long_stream, args=(stack.url, events, started)) for events, started in streams]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)  # in order: round-robin puts one on each worker
+    for _, started in streams:
+        assert started.wait(60), "the streams did not start"
+    victim = stack.roles["worker-0"]
+    pid = victim.current_pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for thread in threads:
+        thread.join(120)
+    errors = [(t, e) for events, _ in streams for t, e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1, "exactly the killed worker's stream fails"
+    error_at, error = errors[0]
+    assert error_at - killed_at < 2.0, f"the error came {error_at - killed_at:.2f} s after the kill"
+    assert error["error"]["code"] == 503 and "worker-0" in error["error"]["message"], error
+    survivor = next(events for events, _ in streams if not any(isinstance(e, dict) and "error" in e
+                                                               for _, e in events))
+    finishes = [e["choices"][0]["finish_reason"] for _, e in survivor if isinstance(e, dict) and e.get("choices")]
+    assert finishes[-1] == "length", "the other worker's stream ran to its end"
+    # New requests go to the live worker at once...
+    quick = {"messages": [{"role": "user", "content": "How many beeps do you hear?"}], "max_tokens": 4,
+             "temperature": 0}
+    for _ in range(3):
+        assert httpx.post(f"{stack.url}/v1/chat/completions", json=quick, timeout=60).status_code == 200
+    # ...and the supervisor starts the dead one again; it registers from an empty index.
+    _wait_until(lambda: httpx.get(f"{stack.url}/health", timeout=5).json()["workers"].get("worker-0"), 120,
+                "worker-0 to come back")
+    assert victim.current_pid() not in (None, pid)
+    loads = httpx.get(f"{stack.url}/stats", timeout=10).json()["routing"]["workers"]
+    assert loads["worker-0"]["routed"] == 0, "a restarted worker starts over"
+    for _ in range(2):
+        assert httpx.post(f"{stack.url}/v1/chat/completions", json=quick, timeout=60).status_code == 200
+    assert httpx.get(f"{stack.url}/stats", timeout=10).json()["routing"]["workers"]["worker-0"]["routed"] >= 1
+
+
+def _wav(seconds: int) -> bytes:
+    rng = np.random.default_rng(0)
+    pcm = (rng.standard_normal(16000 * seconds) * 3000).astype(np.int16)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+def test_an_encoder_killed_mid_request_fails_only_that_request(stack: RunningStack, tmp_path: Path) -> None:
+    long_audio = tmp_path / "long.wav"
+    long_audio.write_bytes(_wav(1500))  # seconds of encoding on this machine
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        result["response"] = _post_file(stack.url, long_audio, "How many beeps do you hear?")
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    encoder = stack.roles["encoder-0"]
+    pid = encoder.current_pid()
+    assert pid is not None
+    time.sleep(1.0)  # uploaded, and being decoded or encoded
+    os.kill(pid, signal.SIGKILL)
+    # Text does not need the encoder: served meanwhile.
+    text = {"messages": [{"role": "user", "content": "Describe the video."}], "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{stack.url}/v1/chat/completions", json=text, timeout=60).status_code == 200
+    thread.join(60)
+    response = result["response"]
+    assert response.status_code == 503, response.text
+    assert "encoder" in response.json()["error"]["message"]
+    _wait_until(lambda: encoder.current_pid() not in (None, pid), 120, "the encoder to come back")
+    _wait_until(lambda: all(httpx.get(f"{stack.url}/health", timeout=5).json()["encoders"].values()), 30,
+                "the API to see the encoder again")
+    short = tmp_path / "short.wav"
+    short.write_bytes(_wav(2))
+    assert _post_file(stack.url, short, "How many beeps do you hear?").status_code == 200
+
+
+def _post_file(url: str, path: Path, question: str) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "m"}},
+                                                      {"type": "text", "text": question}]}],
+            "max_tokens": 4, "temperature": 0}
+    return httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                      files=[("request", (None, json.dumps(body), "application/json")),
+                             ("m", (path.name, path.read_bytes()))])
+
+
+def test_ctrl_c_stops_every_process_and_frees_shared_memory(tmp_path: Path) -> None:
+    with launch_stack(DEMO, workers=1, encoders=1) as running:
+        pids = [role.pid for role in running.roles.values()]
+        store = running.store_name
+        assert store and Path(f"/dev/shm/{store}").exists()
+        os.kill(running.pid, signal.SIGINT)
+        _wait_until(lambda: not _alive(running.pid), 60, "the supervisor to exit")
+    for pid in pids:
+        assert not _alive(pid), f"process {pid} is still running"
+    assert not list(Path("/dev/shm").glob(f"{store}*")), "the shared-memory store was left behind"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead; only its parent has not reaped it yet.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
