@@ -281,6 +281,12 @@ class Generation:
     num_prompt_tokens: int
     started: float
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """Which worker serves it, where a router chose one (the stack)."""
+        worker = getattr(self.stream, "worker_id", None)
+        return {"x-swallow-worker": worker} if worker else {}
+
 
 async def _false() -> bool:
     return False
@@ -511,8 +517,9 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
                 form.cleanup()  # embedded: the spooled media are no longer needed
             gen = await _until_disconnected(request, chat.open(prompt_ids, parsed.params, spans, parsed.stop))
             if parsed.stream:
-                return StreamingResponse(chat.stream(parsed, gen), media_type="text/event-stream")
-            return JSONResponse(await _until_disconnected(request, chat.complete(parsed, gen)))
+                return StreamingResponse(chat.stream(parsed, gen), media_type="text/event-stream",
+                                         headers=gen.headers)
+            return JSONResponse(await _until_disconnected(request, chat.complete(parsed, gen)), headers=gen.headers)
 
         try:
             return await guarded(request, handle)

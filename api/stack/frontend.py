@@ -112,8 +112,9 @@ class WorkerLinks(LinkSet[m.WorkerPong]):
 class RemoteEngineClient:
     """``EngineClient`` over the workers: route, submit, stream."""
 
-    def __init__(self, workers: WorkerLinks, max_pending: int) -> None:
+    def __init__(self, workers: WorkerLinks, max_pending: int, encoders: EncoderLinks | None = None) -> None:
         self.workers = workers
+        self.encoders = encoders
         self.router = workers.router
         self.max_pending = max_pending
         self._pending = 0
@@ -125,9 +126,12 @@ class RemoteEngineClient:
     def stats(self) -> dict[str, Any]:
         """The live workers' stats summed (pools, cache, queues), and each one's."""
         per_worker = {link.name: link.pong.stats for link in self.workers.alive() if link.pong is not None}
+        encoders = {link.name: link.pong.stats for link in self.encoders.alive() if link.pong is not None} \
+            if self.encoders is not None else {}
         return aggregate_stats(list(per_worker.values())) | {
-            "workers": per_worker, "routing": {"policy": self.router.policy, "workers": self.router.loads(),
-                                               "decisions": decision_counts(self.router)}}
+            "workers": per_worker, "encoders": encoders,
+            "routing": {"policy": self.router.policy, "workers": self.router.loads(),
+                        "decisions": decision_counts(self.router)}}
 
     async def flush_cache(self) -> dict[str, Any]:
         return aggregate_stats(await self.workers.flush())
@@ -139,9 +143,11 @@ class RemoteEngineClient:
         spans: Sequence[MultimodalSpan | SpanRef] = (),
         text: Detokenizer | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
-        stream = self._stream(prompt_ids, params, spans, text)
+        routed = RoutedStream()
+        stream = self._stream(prompt_ids, params, spans, text, routed)
         await stream.__anext__()  # admitted: from here closing the stream aborts the request
-        return stream  # type: ignore[return-value]
+        routed.stream = stream  # type: ignore[assignment]
+        return routed  # type: ignore[return-value]
 
     async def _stream(
         self,
@@ -149,6 +155,7 @@ class RemoteEngineClient:
         params: SamplingParams,
         spans: Sequence[MultimodalSpan | SpanRef],
         text: Detokenizer | None,
+        routed: RoutedStream,
     ) -> AsyncGenerator[StreamEvent | None, None]:
         if self._pending >= self.max_pending:
             raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
@@ -157,6 +164,7 @@ class RemoteEngineClient:
             decision = self.router.route(request_id, with_cache_tokens(prompt_ids, spans))
         except NoWorkers:
             raise EngineUnavailable("no worker is available; retry shortly") from None
+        routed.worker_id = decision.worker_id
         self._pending += 1
         finished = False
         link: Link[m.WorkerPong] | None = None
@@ -202,6 +210,25 @@ class RemoteEngineClient:
             for i, token in enumerate(message.tokens):
                 reason = message.finish_reason if i == len(message.tokens) - 1 else None
                 yield _with_text(token, reason, text)
+
+
+class RoutedStream:
+    """A request's token stream, and the worker serving it."""
+
+    def __init__(self) -> None:
+        self.stream: AsyncGenerator[StreamEvent, None] | None = None
+        self.worker_id = ""
+
+    def __aiter__(self) -> RoutedStream:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        assert self.stream is not None
+        return await self.stream.__anext__()
+
+    async def aclose(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
 
 
 def _with_text(token: int, reason: str | None, text: Detokenizer | None) -> StreamEvent:
@@ -338,7 +365,7 @@ class StackFrontend:
         self.router = Router(route_policy, route_load_weight)
         self.workers = WorkerLinks(workers, self.router, sender)
         self.encoders = EncoderLinks(parse_peers(encoders), m.EncoderPong, sender) if encoders else None
-        self.engine = RemoteEngineClient(self.workers, options.max_pending_requests)
+        self.engine = RemoteEngineClient(self.workers, options.max_pending_requests, self.encoders)
         self._embedder = RemoteEmbedder(self.encoders, shared_spool) if self.encoders is not None else None
         self._kinds = media_kinds(encoder_kinds(self.model_dir), self.placeholder_ids) if encoders else frozenset()
 

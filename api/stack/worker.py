@@ -81,6 +81,7 @@ class WorkerService:
         self.embeddings: EmbeddingCache = embedding_cache(None, config.embedding_peers, config.embedding_node)
         self._attach_store()
         self.peers = Peers()
+        self.embedding_reads = {"read": 0, "missing": 0, "bytes": 0}  # spans' rows taken from the store
         self.requests: dict[str, tuple[bytes, asyncio.Task[None]]] = {}
         self.metrics = ServerMetrics()
         self._sock: zmq.asyncio.Socket | None = None
@@ -151,8 +152,11 @@ class WorkerService:
         assert self._sock is not None
         return await send(self._sock, message, identity)
 
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats() | {"embeddings": dict(self.embedding_reads)}
+
     def _pong(self, ping: m.Ping) -> m.WorkerPong:
-        stats = self.engine.stats()
+        stats = self.stats()
         cache = self.llm.engine.cache
         geometry = cache.geometry() if cache is not None and self.llm.engine.fingerprint is not None else None
         return m.WorkerPong(
@@ -231,12 +235,14 @@ class WorkerService:
         spans = []
         for ref in refs:
             rows = await self.embeddings.get(ref.key)
+            self.embedding_reads["read" if rows is not None else "missing"] += 1
             if rows is None:
                 raise MissingEmbedding(f"the embedding {ref.key.hex()[:16]}... is not in the embedding store "
                                        "(evicted, or its encoder's machine is unreachable); retry the request")
             if rows.ndim != 2 or rows.shape[0] != ref.length:
                 raise ValueError(f"the span at {ref.offset} has {ref.length} positions, its embedding "
                                  f"{tuple(rows.shape)} rows")
+            self.embedding_reads["bytes"] += rows.numel() * rows.element_size()
             spans.append(MultimodalSpan(ref.offset, rows, ref.key))
         return spans
 
@@ -251,7 +257,7 @@ class WorkerService:
             return JSONResponse(body, status_code=503 if broken else 200)
 
         async def stats(_: Request) -> Response:
-            return JSONResponse(self.engine.stats() | {"pending_requests": self.engine.pending})
+            return JSONResponse(self.stats() | {"pending_requests": self.engine.pending})
 
         async def metrics(_: Request) -> Response:
             self.metrics.set_engine_stats(self.engine.stats())
