@@ -53,27 +53,37 @@ class WorkerLinks(LinkSet[m.WorkerPong]):
             raise ValueError("the API needs at least one worker address (--workers)")
         self.router = router
         self._flushes: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._registered: dict[str, str] = {}  # worker id -> the address routed to
 
     def on_up(self, link: Link[m.WorkerPong]) -> None:
         pong = link.pong
         assert pong is not None
+        holder = self._registered.get(pong.worker_id)
+        if holder is not None and holder != link.address and holder in self.links and self.links[holder].alive:
+            log.error("worker id %s answers at %s and at %s: routing to the first only", pong.worker_id, holder,
+                      link.address)
+            return
         # No fingerprint (prefix caching off): nothing to reuse there, but it takes requests.
         geometry = CacheGeometry(pong.fingerprint or b"", max(pong.page_size, 1), pong.window_tokens,
                                  pong.keep_all_swa)
         self.router.add_worker(pong.worker_id, geometry)  # from an empty index: a restarted worker has nothing
+        self._registered[pong.worker_id] = link.address
 
     def on_down(self, link: Link[m.WorkerPong]) -> None:
-        if link.pong is not None:
+        if link.pong is not None and self._registered.get(link.pong.worker_id) == link.address:
+            del self._registered[link.pong.worker_id]
             self.router.remove_worker(link.pong.worker_id)
 
     def on_pong(self, link: Link[m.WorkerPong]) -> None:
         pong = link.pong
         assert pong is not None
-        self.router.report_load(pong.worker_id, pong.queued_tokens, pong.running)
+        if self._registered.get(pong.worker_id) == link.address:
+            self.router.report_load(pong.worker_id, pong.queued_tokens, pong.running)
 
     def on_message(self, link: Link[m.WorkerPong], message: object) -> None:
         if isinstance(message, m.KVEventsMsg):
-            if link.alive and message.incarnation == link.incarnation:
+            registered = self._registered.get(message.worker_id) == link.address
+            if registered and link.alive and message.incarnation == link.incarnation:
                 if not self.router.apply_events(message.worker_id, message.batch()):
                     asyncio.create_task(self._send(link, m.SnapshotRequest()))
         elif isinstance(message, m.Flushed):
@@ -87,10 +97,10 @@ class WorkerLinks(LinkSet[m.WorkerPong]):
         await send(link.sock, message)
 
     def by_id(self, worker_id: str) -> Link[m.WorkerPong]:
-        for link in self.links.values():
-            if link.alive and link.pong is not None and link.pong.worker_id == worker_id:
-                return link
-        raise ServiceDown(f"worker {worker_id} is gone; retry the request")
+        link = self.links.get(self._registered.get(worker_id, ""))
+        if link is None or not link.alive:
+            raise ServiceDown(f"worker {worker_id} is gone; retry the request")
+        return link
 
     async def flush(self) -> list[dict[str, Any]]:
         """Every live worker's stats after it dropped every prefix no request holds."""

@@ -73,7 +73,9 @@ def resolve_peers(peers: list[PeerSpec]) -> list[str]:
         except socket.gaierror as exc:
             log.warning("peer name %s does not resolve (%s)", peer.host, exc)
             continue
-        for info in sorted({info[4][0] for info in infos}):
+        # One address per peer: a dual-stack name (localhost) must not become two links to one process.
+        v4 = [info for info in infos if info[0] == socket.AF_INET]
+        for info in sorted({info[4][0] for info in v4 or infos}):
             host = f"[{info}]" if ":" in info else info
             out.append(f"tcp://{host}:{peer.port}")
     return list(dict.fromkeys(out))

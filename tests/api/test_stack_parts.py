@@ -1,0 +1,242 @@
+"""The stack's parts without model processes: the message schema, peer
+addresses, stats summed over workers, restarts' backoff, and the API's
+worker links against a scripted worker socket (routing by KV events,
+liveness within 2 s, refusals and failures mapped to HTTP's meaning)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed
+from api.launch import free_port
+from api.stack import messages as m
+from api.stack.frontend import RemoteEngineClient, WorkerLinks, aggregate_stats
+from api.stack.links import DEAD_AFTER_S
+from api.stack.supervisor import Supervisor, _Process
+from api.stack.transport import bind_router, parse_peers, recv_message, resolve_peers, send
+from llm_core import SamplingParams
+from llm_core.kv_events import KVEventLog
+from llm_core.kv_tiers import FULL, SWA
+from llm_core.router import CacheGeometry, Router, token_page_addresses
+
+
+# ------------------------------------------------------------------ messages
+def test_every_message_round_trips() -> None:
+    log = KVEventLog()
+    log.record("host", bytes(range(16)), SWA, 7)
+    samples = [
+        m.Ping(m.PROTOCOL_VERSION, "api-1", 1.5),
+        m.Submit("r1", "inc", [1, 2, 3], [m.SpanSpec(1, 2, b"k" * 32)],
+                 m.SamplingSpec.of(SamplingParams(max_tokens=3))),
+        m.Abort("r1"), m.Flush("t"), m.SnapshotRequest(), m.Admitted("r1"), m.Refused("r1", 400, "no"),
+        m.Tokens("r1", [5, 6], "stop"), m.Failed("r1", 500, "boom"), m.KVEventsMsg.of("w", "inc", log.drain()),
+        m.Flushed("t", {"a": 1}), m.EmbedMedia("e1", "video", "/spool/x.mp4", None), m.Embedded("e1", b"k", 4, True),
+        m.EmbedFailed("e1", 415, "not a video"),
+    ]
+    for message in samples:
+        assert m.decode(m.encode(message)) == message
+    batch = m.decode(m.encode(samples[9])).batch()
+    assert batch.events[0].medium == "host" and batch.events[0].held == 7
+
+
+def test_frames_from_another_version_or_garbage_are_refused() -> None:
+    with pytest.raises(m.ProtocolError, match="version 2"):
+        m.decode(m.encode(m.Ping(2, "api", 0.0)))
+    for frame in (b"", b"\x93\x01\x02\x03", msgspec.msgpack.encode({"__class__": "os.system"})):
+        with pytest.raises(m.ProtocolError):
+            m.decode(frame)
+    with pytest.raises(ValueError):  # sampling values are checked again on the worker
+        m.SamplingSpec(0, 0.0, 1.0, -1, None, (), False).params()
+
+
+# ----------------------------------------------------------------- addresses
+def test_peer_lists() -> None:
+    assert [p.address for p in parse_peers("tcp://a:1, tcp://b:2")] == ["tcp://a:1", "tcp://b:2"]
+    assert resolve_peers(parse_peers("dns://localhost:7100")) == ["tcp://127.0.0.1:7100"]
+    assert resolve_peers(parse_peers("dns://no-such-host.invalid:1")) == []
+    for bad in ("a:1", "http://a:1", "tcp://a", "tcp://:1"):
+        with pytest.raises(ValueError):
+            parse_peers(bad)
+
+
+def test_stats_summed_over_workers() -> None:
+    one = {"prefix_cache": {"cached_prompt_tokens": 30, "computed_prompt_tokens": 70, "hit_rate": 0.3},
+           "full_pool": {"capacity_tokens": 100, "free_tokens": 40, "bytes_per_token": 1024},
+           "schedule": {"latency_buckets_s": [0.1, 1.0], "buckets": {"0-64": {"ttft": {"counts": [1, 2, 3]}}}},
+           "swa_mode": "hybrid", "running_requests": 2}
+    two = {"prefix_cache": {"cached_prompt_tokens": 10, "computed_prompt_tokens": 90, "hit_rate": 0.1},
+           "full_pool": {"capacity_tokens": 100, "free_tokens": 100, "bytes_per_token": 1024},
+           "schedule": {"latency_buckets_s": [0.1, 1.0], "buckets": {"0-64": {"ttft": {"counts": [0, 0, 1]}}}},
+           "swa_mode": "hybrid", "running_requests": 1}
+    total = aggregate_stats([one, two])
+    assert total["prefix_cache"] == {"cached_prompt_tokens": 40, "computed_prompt_tokens": 160, "hit_rate": 0.2}
+    assert total["full_pool"] == {"capacity_tokens": 200, "free_tokens": 140, "bytes_per_token": 1024}
+    assert total["schedule"]["latency_buckets_s"] == [0.1, 1.0]
+    assert total["schedule"]["buckets"]["0-64"]["ttft"]["counts"] == [1, 2, 4]
+    assert total["swa_mode"] == "hybrid" and total["running_requests"] == 3
+
+
+def test_a_role_that_keeps_dying_waits_longer_each_time() -> None:
+    process = _Process(plan=None)  # type: ignore[arg-type]
+    pauses = [Supervisor._backoff(process, 100.0 + i) for i in range(6)]
+    assert pauses[0] == 0.0 and pauses == sorted(pauses) and pauses[-1] <= 10.0
+    assert Supervisor._backoff(process, 1000.0) == 0.0  # a minute later it starts afresh
+
+
+# ----------------------------------------------------- links to a fake worker
+class FakeWorker:
+    """A worker socket that answers as scripted: pongs while ``alive``,
+    KV events on demand, and a request's answers from ``script``."""
+
+    def __init__(self, worker_id: str, page_size: int = 4) -> None:
+        self.worker_id = worker_id
+        self.port = free_port()
+        self.alive = True
+        self.incarnation = "inc-1"
+        self.geometry = CacheGeometry(b"F" * 16, page_size, 4)
+        self.events = KVEventLog()
+        self.script: list[object] = []
+        self.received: list[object] = []
+        self._peer: bytes | None = None
+
+    async def run(self) -> None:
+        context = zmq.asyncio.Context()
+        sock = bind_router(context, "127.0.0.1", self.port)
+        self.sock = sock
+        try:
+            while True:
+                identity, message = await recv_message(sock, with_identity=True)
+                self._peer = identity
+                self.received.append(message)
+                if isinstance(message, m.Ping) and self.alive:
+                    await send(sock, m.WorkerPong(m.PROTOCOL_VERSION, self.worker_id, self.incarnation, 0.0, "demo",
+                                                  self.geometry.fingerprint, self.geometry.page_size, 4, False, 0, 0,
+                                                  0, 0, {"running_requests": 0}), identity)
+                elif isinstance(message, m.Submit) and self.alive:
+                    for answer in self.script:
+                        await send(sock, answer, identity)
+        finally:
+            sock.close()
+            context.term()
+
+    async def cache(self, tokens: list[int]) -> None:
+        """Tell the API this worker holds ``tokens``' pages with their windows."""
+        for address in token_page_addresses(self.geometry, tokens):
+            self.events.record("device", address, FULL, 1)
+            self.events.record("device", address, SWA, self.geometry.page_size)
+        assert self._peer is not None
+        await send(self.sock, m.KVEventsMsg.of(self.worker_id, self.incarnation, self.events.drain()), self._peer)
+
+
+async def _client(*workers: FakeWorker) -> AsyncIterator[tuple[RemoteEngineClient, WorkerLinks]]:
+    router = Router("kv-affinity")
+    links = WorkerLinks(",".join(f"tcp://127.0.0.1:{w.port}" for w in workers), router, "test-api")
+    await links.start()
+    deadline = time.monotonic() + 5
+    while len(links.alive()) < len(workers):
+        assert time.monotonic() < deadline, "the workers did not come up"
+        await asyncio.sleep(0.05)
+    try:
+        yield RemoteEngineClient(links, max_pending=8), links
+    finally:
+        await links.aclose()
+
+
+def _run(coro_fn) -> None:  # noqa: ANN001
+    async def main() -> None:
+        workers = [FakeWorker("w0"), FakeWorker("w1")]
+        tasks = [asyncio.create_task(w.run()) for w in workers]
+        try:
+            await coro_fn(workers)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_requests_go_where_the_kv_events_say_the_prefix_is() -> None:
+    prompt = list(range(1, 30))
+
+    async def body(workers: list[FakeWorker]) -> None:
+        async for client, _ in _client(*workers):
+            await workers[1].cache(prompt)
+            await asyncio.sleep(0.2)
+            for worker in workers:
+                worker.received.clear()
+            stream = asyncio.create_task(client.open(prompt, SamplingParams(max_tokens=1)))
+            await asyncio.sleep(0.3)
+            submit = next(msg for msg in workers[1].received if isinstance(msg, m.Submit))
+            assert not any(isinstance(msg, m.Submit) for msg in workers[0].received)
+            await send(workers[1].sock, m.Admitted(submit.request_id), workers[1]._peer)
+            await send(workers[1].sock, m.Tokens(submit.request_id, [7], "length"), workers[1]._peer)
+            events = [event async for event in await stream]
+            assert [(e.token, e.finish_reason) for e in events] == [(7, "length")]
+            assert client.router.loads()["w1"]["routed_cached_tokens"] == 28
+            break
+
+    _run(body)
+
+
+def test_a_silent_worker_fails_its_stream_within_two_seconds_and_leaves_routing() -> None:
+    async def body(workers: list[FakeWorker]) -> None:
+        async for client, links in _client(*workers):
+            for worker in workers:
+                worker.script = []
+            stream_task = asyncio.create_task(client.open([1, 2, 3], SamplingParams(max_tokens=5)))
+            await asyncio.sleep(0.3)
+            target = next(w for w in workers if any(isinstance(x, m.Submit) for x in w.received))
+            submit = next(x for x in target.received if isinstance(x, m.Submit))
+            await send(target.sock, m.Admitted(submit.request_id), target._peer)
+            stream = await stream_task
+            target.alive = False
+            silenced = time.monotonic()
+            with pytest.raises(EngineUnavailable, match="stopped answering"):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - silenced < 2.0
+            assert client.router.workers == [w.worker_id for w in workers if w is not target]
+            break
+
+    _run(body)
+
+
+@pytest.mark.parametrize(("answer", "error"), [
+    (m.Refused("", 400, "prompt too long"), ValueError),
+    (m.Refused("", 429, "busy"), EngineOverloaded),
+    (m.Refused("", 503, "restarted"), EngineUnavailable),
+    (m.Failed("", 500, "boom"), RequestFailed),
+])
+def test_refusals_and_failures_keep_their_meaning(answer: m.Refused | m.Failed, error: type[Exception]) -> None:
+    async def body(workers: list[FakeWorker]) -> None:
+        async for client, _ in _client(*workers):
+            opened = asyncio.create_task(client.open([1, 2, 3], SamplingParams(max_tokens=5)))
+            await asyncio.sleep(0.3)
+            target = next(w for w in workers if any(isinstance(x, m.Submit) for x in w.received))
+            submit = next(x for x in target.received if isinstance(x, m.Submit))
+            if isinstance(answer, m.Failed):
+                await send(target.sock, m.Admitted(submit.request_id), target._peer)
+            await send(target.sock, type(answer)(submit.request_id, answer.status, answer.message), target._peer)
+            with pytest.raises(error, match=answer.message):
+                stream = await opened
+                async for _ in stream:
+                    pass
+            assert client.pending == 0
+            break
+
+    _run(body)
+
+
+def test_dead_after_is_inside_the_two_second_promise() -> None:
+    from api.stack.links import PING_INTERVAL_S
+
+    # The last answer came at most one ping before the death; silence is checked every ping.
+    assert DEAD_AFTER_S + PING_INTERVAL_S < 2.0
