@@ -269,7 +269,11 @@ def _paths(media_kinds: list[str]) -> dict[str, Any]:
             "post": _operation("Empty the prefix cache", {**_ok("Flushed.", _json(_ref("FlushResult"))),
                                                           **_errors(*v1)}, secured=True),
         },
-        "/health": {"get": _operation("Liveness", _ok("Serving.", _json(_ref("Health"))))},
+        "/health": {"get": _operation("Readiness", {
+            **_ok("Serving.", _json(_ref("Health"))),
+            "503": {"description": "Not able to serve now (the stack: no worker answers).",
+                    "content": _json(_ref("Health"))}})},
+        "/livez": {"get": _operation("Liveness: the process answers", _ok("Alive.", _json(_ref("Alive"))))},
         "/stats": {"get": _operation("Engine statistics", _ok("A snapshot.", _json(_ref("EngineStats"))))},
         "/metrics": {"get": _operation("Prometheus metrics", _ok("Text exposition format.", _text("plain")))},
         "/openapi.json": {"get": _operation("This document", _ok("OpenAPI 3.1.", _json({"type": "object"})))},
@@ -484,7 +488,9 @@ def _response_schemas(media_kinds: list[str]) -> dict[str, Schema]:
                 "input_modalities": {"type": "array", "items": {"enum": ["text", *media_kinds]}},
             }),
         }}),
-        "Health": _closed_object({"status": _const("ok")}),
+        # The stack's API adds which workers and encoders answer.
+        "Health": _object({"status": {"enum": ["ok", "unavailable"]}}, ["status"]),
+        "Alive": _closed_object({"status": _const("alive")}),
         "EngineStats": _object(
             {
                 "running_requests": {"type": "integer", "minimum": 0},
