@@ -240,3 +240,19 @@ def test_dead_after_is_inside_the_two_second_promise() -> None:
 
     # The last answer came at most one ping before the death; silence is checked every ping.
     assert DEAD_AFTER_S + PING_INTERVAL_S < 2.0
+
+
+def test_routing_decisions_and_worker_load_reach_the_metrics() -> None:
+    from api.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    routing = {"policy": "kv-affinity", "decisions": {"w0": {"affinity": 3, "miss": 1}},
+               "workers": {"w0": {"queued_tokens": 120, "running": 2, "routed": 4, "routed_uncached_tokens": 9,
+                                  "routed_cached_tokens": 300, "indexed_pages": 7}}}
+    metrics.set_engine_stats({"routing": routing})
+    text = metrics.render().decode()
+    assert 'swallow_route_decisions{reason="affinity",worker="w0"} 3.0' in text
+    assert 'swallow_worker_queued_tokens{worker="w0"} 120.0' in text
+    assert 'swallow_worker_routed_cached_tokens{worker="w0"} 300.0' in text
+    metrics.set_engine_stats({"routing": {**routing, "workers": {}}})  # w0 left
+    assert 'swallow_worker_queued_tokens{worker="w0"}' not in metrics.render().decode()
