@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import zmq
-import zmq.asyncio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -33,8 +31,8 @@ from api.metrics import ServerMetrics
 from api.runtime import embed_media, media_config, media_kinds
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
-from api.stack.service import HttpSide, Peers, every, install_stop_signals
-from api.stack.transport import bind_router, recv_message, send
+from api.stack.service import Peers, ServiceSocket, every, install_stop_signals
+from api.stack.transport import recv_message, send
 from embedding_cache import MediaEmbedder, SharedEmbeddingStore, embedding_cache_routes
 from encoders import BatcherConfig, EncoderBatcher, EncoderQueueFull
 from encoders.multimodal_checkpoint import load_encoders, placeholder_token_ids
@@ -76,43 +74,36 @@ class EncoderService:
         limits = MediaLimits(max_file_bytes=config.max_file_bytes)
         self.embedder = MediaEmbedder(self.batcher, self.cache, media_config(config.model_dir, limits))
         self.peers = Peers()
-        self.in_flight: dict[str, tuple[bytes, asyncio.Task[None]]] = {}
-        self._sock: zmq.asyncio.Socket | None = None
+        self._service: ServiceSocket | None = None
+
+    @property
+    def in_flight(self) -> dict[str, tuple[bytes, asyncio.Task[None]]]:
+        assert self._service is not None
+        return self._service.held
 
     async def serve(self, stop: asyncio.Event) -> None:
-        context = zmq.asyncio.Context()
-        self._sock = bind_router(context, self.config.host, self.config.port)
-        http = HttpSide(self._http_routes(), self.config.host, self.config.health_port)
-        await http.start()
-        tasks = [asyncio.create_task(self._receive()),
-                 asyncio.create_task(every(1.0, self._forget_silent_peers, "checking peers")),
-                 asyncio.create_task(keep_ring_fresh(self.cache, self.config.embedding_peers))]
-        log.info("encoder %s (%s) on tcp://%s:%d, store %s", self.config.encoder_id, ", ".join(self.media_kinds),
-                 self.config.host, self.config.port, self.config.store_name)
+        config = self.config
+        self._service = ServiceSocket(config.host, config.port, config.health_port, self._http_routes())
+        chores = [self._receive(), every(1.0, self._forget_silent_peers, "checking peers"),
+                  keep_ring_fresh(self.cache, config.embedding_peers)]
+        log.info("encoder %s (%s) on tcp://%s:%d, store %s", config.encoder_id, ", ".join(self.media_kinds),
+                 config.host, config.port, config.store_name)
         try:
-            await stop.wait()
+            await self._service.run_until(stop, chores)
         finally:
-            for task in tasks:
-                task.cancel()
-            for _, task in list(self.in_flight.values()):
-                task.cancel()
-            await asyncio.gather(*tasks, *(t for _, t in self.in_flight.values()), return_exceptions=True)
-            await http.stop()
-            self._sock.close()
-            context.term()
             await self.batcher.aclose()
             self.embedder.close()
             await self.cache.aclose()
             self.store.close()
 
     async def _receive(self) -> None:
-        assert self._sock is not None
+        assert self._service is not None
         while True:
-            identity, message = await recv_message(self._sock, with_identity=True)
+            identity, message = await recv_message(self._service.sock, with_identity=True)
             assert identity is not None
             self.peers.seen(identity)
             if isinstance(message, m.Ping):
-                await send(self._sock, self._pong(message), identity)
+                await send(self._service.sock, self._pong(message), identity)
             elif isinstance(message, m.EmbedMedia):
                 task = asyncio.create_task(self._embed(identity, message))
                 self.in_flight[message.request_id] = (identity, task)
@@ -127,7 +118,7 @@ class EncoderService:
                               "misses": stats.misses, "store": self.store.stats()})
 
     async def _embed(self, identity: bytes, request: m.EmbedMedia) -> None:
-        assert self._sock is not None
+        assert self._service is not None
         rid = request.request_id
         try:
             answer = await self._embedding(request)
@@ -143,7 +134,7 @@ class EncoderService:
         finally:
             self.in_flight.pop(rid, None)
         self.metrics.count_embedding(request.kind, isinstance(answer, m.Embedded) and answer.cached)
-        await send(self._sock, answer, identity)
+        await send(self._service.sock, answer, identity)
 
     async def _embedding(self, request: m.EmbedMedia) -> m.Embedded | m.EmbedFailed:
         if request.kind not in self.media_kinds:
@@ -159,10 +150,9 @@ class EncoderService:
         return m.Embedded(request.request_id, emb.key, emb.num_tokens, emb.cached)
 
     async def _forget_silent_peers(self) -> None:
+        assert self._service is not None
         for identity in self.peers.expired():
-            for rid, (who, task) in list(self.in_flight.items()):
-                if who == identity:
-                    task.cancel()
+            self._service.cancel_of(identity)
 
     def _http_routes(self) -> list[Route]:
         async def health(_: Request) -> Response:

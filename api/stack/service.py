@@ -9,14 +9,19 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
+import zmq
+import zmq.asyncio
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-__all__ = ["HttpSide", "Peers", "install_stop_signals"]
+from api.stack.transport import bind_router
+
+__all__ = ["HttpSide", "Peers", "ServiceSocket", "every", "install_stop_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,40 @@ class HttpSide:
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, timeout=5)
+
+
+class ServiceSocket:
+    """A service's message socket and HTTP side, its chores, and the work it
+    holds per request (tasks, cancelled when the service stops)."""
+
+    def __init__(self, host: str, port: int, health_port: int, routes: list[Route]) -> None:
+        self.context = zmq.asyncio.Context()
+        self.sock = bind_router(self.context, host, port)
+        self.http = HttpSide(routes, host, health_port)
+        self.held: dict[str, tuple[bytes, asyncio.Task[None]]] = {}  # request id -> (its API, its task)
+
+    async def run_until(self, stop: asyncio.Event, chores: list[Coroutine[Any, Any, None]]) -> None:
+        """Serve (``chores`` running beside) until ``stop``; then cancel
+        everything and close the sockets."""
+        await self.http.start()
+        tasks = [asyncio.create_task(chore) for chore in chores]
+        try:
+            await stop.wait()
+        finally:
+            held = [task for _, task in self.held.values()]
+            for task in (*tasks, *held):
+                task.cancel()
+            await asyncio.gather(*tasks, *held, return_exceptions=True)
+            await self.http.stop()
+            self.sock.close()
+            self.context.term()
+
+    def cancel_of(self, identity: bytes) -> int:
+        """Cancel what an API that went quiet still held; how many."""
+        lost = [task for who, task in self.held.values() if who == identity]
+        for task in lost:
+            task.cancel()
+        return len(lost)
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

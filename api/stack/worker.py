@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import zmq
-import zmq.asyncio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -36,8 +34,8 @@ from api.engine_loop import AsyncEngine, EngineOverloaded, EngineUnavailable, Re
 from api.metrics import ServerMetrics
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
-from api.stack.service import HttpSide, Peers, every, install_stop_signals
-from api.stack.transport import bind_router, recv_message, send
+from api.stack.service import Peers, ServiceSocket, every, install_stop_signals
+from api.stack.transport import recv_message, send
 from embedding_cache import EmbeddingCache, SharedEmbeddingStore
 from llm_core import LLM, MultimodalSpan
 from llm_core.kv_events import KVEventLog
@@ -82,33 +80,26 @@ class WorkerService:
         self._attach_store()
         self.peers = Peers()
         self.embedding_reads = {"read": 0, "missing": 0, "bytes": 0}  # spans' rows taken from the store
-        self.requests: dict[str, tuple[bytes, asyncio.Task[None]]] = {}
         self.metrics = ServerMetrics()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._service: ServiceSocket | None = None
+
+    @property
+    def requests(self) -> dict[str, tuple[bytes, asyncio.Task[None]]]:
+        assert self._service is not None
+        return self._service.held
 
     # ----------------------------------------------------------------- life
     async def serve(self, stop: asyncio.Event) -> None:
-        context = zmq.asyncio.Context()
-        self._sock = bind_router(context, self.config.host, self.config.port)
-        http = HttpSide(self._http_routes(), self.config.host, self.config.health_port)
-        await http.start()
-        tasks = [asyncio.create_task(self._receive()),
-                 asyncio.create_task(every(EVENT_INTERVAL_S, self._publish_events, "sending KV events")),
-                 asyncio.create_task(every(1.0, self._forget_silent_peers, "checking peers")),
-                 asyncio.create_task(keep_ring_fresh(self.embeddings, self.config.embedding_peers))]
-        log.info("worker %s serving %s on tcp://%s:%d (health on %d)", self.config.worker_id,
-                 self.config.model_dir, self.config.host, self.config.port, self.config.health_port)
+        config = self.config
+        self._service = ServiceSocket(config.host, config.port, config.health_port, self._http_routes())
+        chores = [self._receive(), every(EVENT_INTERVAL_S, self._publish_events, "sending KV events"),
+                  every(1.0, self._forget_silent_peers, "checking peers"),
+                  keep_ring_fresh(self.embeddings, config.embedding_peers)]
+        log.info("worker %s serving %s on tcp://%s:%d (health on %d)", config.worker_id, config.model_dir,
+                 config.host, config.port, config.health_port)
         try:
-            await stop.wait()
+            await self._service.run_until(stop, chores)
         finally:
-            for task in tasks:
-                task.cancel()
-            for _, task in list(self.requests.values()):
-                task.cancel()
-            await asyncio.gather(*tasks, *(t for _, t in self.requests.values()), return_exceptions=True)
-            await http.stop()
-            self._sock.close()
-            context.term()
             self.engine.close()
             self.llm.close()
             await self.embeddings.aclose()
@@ -117,9 +108,9 @@ class WorkerService:
 
     # ------------------------------------------------------------ messages
     async def _receive(self) -> None:
-        assert self._sock is not None
+        assert self._service is not None
         while True:
-            identity, message = await recv_message(self._sock, with_identity=True)
+            identity, message = await recv_message(self._service.sock, with_identity=True)
             assert identity is not None
             try:
                 await self._handle(identity, message)
@@ -149,8 +140,8 @@ class WorkerService:
             log.warning("unexpected %s from an API", type(message).__name__)
 
     async def _send(self, identity: bytes, message: object) -> bool:
-        assert self._sock is not None
-        return await send(self._sock, message, identity)
+        assert self._service is not None
+        return await send(self._service.sock, message, identity)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats() | {"embeddings": dict(self.embedding_reads)}
@@ -179,11 +170,9 @@ class WorkerService:
             await self._send(identity, message)
 
     async def _forget_silent_peers(self) -> None:
+        assert self._service is not None
         for identity in self.peers.expired():
-            lost = [task for rid, (who, task) in self.requests.items() if who == identity]
-            log.warning("an API went quiet; aborting its %d requests", len(lost))
-            for task in lost:
-                task.cancel()
+            log.warning("an API went quiet; aborted its %d requests", self._service.cancel_of(identity))
 
     async def _flush(self, identity: bytes, message: m.Flush) -> None:
         stats = await self.engine.flush_cache()
