@@ -1,5 +1,7 @@
 """`swallow bench load`: the load mix of api/load_mix.py against a real
-`swallow serve` subprocess, at rising concurrency.
+`swallow serve` subprocess (or, with ``stack_workers``, a `swallow stack` of
+that many LLM workers: its /stats and /flush_cache answer with the workers'
+stats summed, so the same checks apply), at rising concurrency.
 
 Each level starts from a flushed prefix cache and sends the same seeded mix
 (greedy streams, 30% cancelled by the client, ~5% bad requests) of the same
@@ -17,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from api.launch import RunningServer, launch_server
+from api.launch import RunningServer, RunningStack, launch_server, launch_stack
 from api.load_mix import (
     GenerationSpec,
     LoadRequest,
@@ -58,10 +61,12 @@ def load_bench(
     repeats: int = 2,
     time_limit_s: float = 600.0,
     server_args: Sequence[str] = (),
+    stack_workers: int | None = None,
 ) -> dict[str, Any]:
     """One JSON-ready dict: per level the load figures, then ratios against the lowest level.
     Each level runs ``repeats`` times; timings are the fastest run's (noise on a shared
-    machine only slows a run down), correctness counts are summed over all runs."""
+    machine only slows a run down), correctness counts are summed over all runs.
+    ``stack_workers``: against `swallow stack --workers N` instead of `swallow serve`."""
     if not levels or min(levels) < 1:
         raise ValueError(f"concurrency levels must be positive, got {list(levels)}")
     if repeats < 1:
@@ -73,8 +78,8 @@ def load_bench(
     mix = build_mix(num_requests or requests_per_level(levels), shape, seed)
     known_outputs: dict[GenerationSpec, list[int]] = {}
     per_level: dict[str, dict[str, Any]] = {}
-    with launch_server(model_dir, *server_args) as server:
-        _warm_up(server.url)
+    with _launch(model_dir, server_args, stack_workers) as server:
+        _warm_up(server.url, stack_workers or 1)
         for level in levels:
             runs = [_run_level(server, mix, level, known_outputs, time_limit_s) for _ in range(repeats)]
             per_level[str(level)] = _fastest_with_all_failures(runs)
@@ -86,9 +91,23 @@ def load_bench(
         "levels": per_level,
         "baseline_concurrency": levels[0],
         "repeats": repeats,
+        "server": "stack" if stack_workers else "serve",
+        "stack_workers": stack_workers,
         "server_args": server_args,
         "server_log_tracebacks": server_tracebacks,
     }
+
+
+@contextmanager
+def _launch(model_dir: str | Path, server_args: Sequence[str], stack_workers: int | None) -> Iterator[RunningServer]:
+    if stack_workers is None:
+        with launch_server(model_dir, *server_args) as server:
+            yield server
+    else:
+        if stack_workers < 1:
+            raise ValueError(f"a stack needs at least one worker, got {stack_workers}")
+        with launch_stack(model_dir, *server_args, workers=stack_workers) as stack:
+            yield stack
 
 
 def _logged_exceptions(log: str) -> int:
@@ -99,10 +118,12 @@ def _logged_exceptions(log: str) -> int:
     return log.count("Traceback (most recent call last)") - chained
 
 
-def _warm_up(url: str) -> None:
-    """One request first, so the lowest level's first TTFT is not the server's first forward."""
-    body = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0}
-    httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
+def _warm_up(url: str, workers: int = 1) -> None:
+    """A request first (one per worker of a stack, with different prompts: each goes
+    to the least loaded), so the lowest level's first TTFT is not a worker's first forward."""
+    for i in range(workers):
+        body = {"prompt": [5 + i, 6, 7, 8], "max_tokens": 4, "temperature": 0}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
 
 
 def _run_level(
@@ -113,11 +134,12 @@ def _run_level(
     time_limit_s: float,
 ) -> dict[str, Any]:
     before = flush_cache(server.url)  # a cold prefix cache for every run
-    server_cpu, client_cpu = _process_cpu_s(server.pid), time.process_time()
+    pids = _server_pids(server)
+    server_cpu, client_cpu = sum(map(_process_cpu_s, pids)), time.process_time()
     started = time.perf_counter()
     results = asyncio.run(run_mix(server.url, requests, concurrency, time_limit_s=time_limit_s))
     wall_s = time.perf_counter() - started
-    server_cpu, client_cpu = _process_cpu_s(server.pid) - server_cpu, time.process_time() - client_cpu
+    server_cpu, client_cpu = sum(map(_process_cpu_s, pids)) - server_cpu, time.process_time() - client_cpu
     idle = wait_idle(server.url)
     after_flush = flush_cache(server.url)
     _remember_outputs(requests, results, known_outputs)
@@ -130,6 +152,15 @@ def _run_level(
         "server_cpu_s": round(server_cpu, 2),
         "client_cpu_s": round(client_cpu, 2),
     }
+
+
+def _server_pids(server: RunningServer) -> list[int]:
+    """The server's process, and a stack's role processes (as they are now: a role
+    the supervisor restarted has another pid)."""
+    pids = [server.pid]
+    if isinstance(server, RunningStack):
+        pids += [role.current_pid() or role.pid for role in server.roles.values()]
+    return pids
 
 
 def _process_cpu_s(pid: int) -> float:

@@ -147,7 +147,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         if not args.trace:
             raise ValueError("bench router needs --trace (a directory of sessions or a .jsonl file)")
-        result = router_bench(args.trace, workers=args.workers, load=args.load, limit=args.limit,
+        result = router_bench(args.trace, workers=args.workers or 4, load=args.load, limit=args.limit,
                               stagger_s=args.stagger_s, log=lambda msg: print(msg, file=sys.stderr))
     elif args.name == "tiers":
         from api.bench_tiers import DEFAULT_LENGTHS, tiers_bench
@@ -157,6 +157,12 @@ def _bench(args: argparse.Namespace) -> int:
                              log=lambda msg: print(msg, file=sys.stderr))
     elif args.name == "load":
         result = _bench_load(args)
+    elif args.name == "stack":
+        from api.bench_stack import stack_bench
+
+        model = Path(args.model) if args.model else _ensure_default_model()
+        result = stack_bench(model, workers=args.workers or 2, users=args.users, turns=args.turns, seed=args.seed,
+                             repeats=args.repeats, log=lambda msg: print(msg, file=sys.stderr))
     elif args.name == "mtp":
         from api.bench_mtp import mtp_bench
 
@@ -320,7 +326,8 @@ def _bench_load(args: argparse.Namespace) -> dict:
 
     model = Path(args.model) if args.model else _ensure_default_model()
     levels = [int(level) for level in args.levels.split(",")] if args.levels else DEFAULT_LEVELS
-    result = load_bench(model, levels, seed=args.seed, num_requests=args.load_requests, repeats=args.repeats)
+    result = load_bench(model, levels, seed=args.seed, num_requests=args.load_requests, repeats=args.repeats,
+                        stack_workers=args.stack)
     if args.plot:
         plot_load(result, args.plot)
         result["plot"] = args.plot
@@ -470,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     video_qa.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
-    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step", "mtp", "tiers", "schedule", "router"])
+    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step", "mtp", "tiers", "schedule", "router", "stack"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv, step: model shape")
     bench.add_argument("--running", type=int, default=64, help="step: running requests")
@@ -504,7 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engine-replay", action="store_true",
                        help="schedule: fcfs against compute-aware on a scaled-down agentic trace through the real "
                             "engine (demo-size model, wall clock) and through the replay (calibrated cost model)")
-    bench.add_argument("--workers", type=int, default=4, help="router: workers the trace is routed over")
+    bench.add_argument("--workers", type=int,
+                       help="router: workers the trace is routed over (default 4); stack: LLM workers of each "
+                            "stack (default 2)")
     bench.add_argument("--full-pool-tokens", type=int, default=4_000_000, help="prefix-cache: full pool")
     bench.add_argument("--swa-fraction", type=float, default=0.05, help="prefix-cache: SWA pool / full pool")
     bench.add_argument("--checkpoint-interval", type=int, default=4096, help="prefix-cache: 0 for none")
@@ -527,6 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--levels", help="load: concurrency levels, comma-separated (default: 1,16,64,200)")
     bench.add_argument("--load-requests", type=int,
                        help="load: requests at every level (default: max(32, 2 x the highest level))")
+    bench.add_argument("--stack", type=int, metavar="WORKERS",
+                       help="load: against `swallow stack --workers WORKERS` instead of `swallow serve`")
+    bench.add_argument("--users", type=int, default=16, help="stack: users, each holding one conversation")
+    bench.add_argument("--turns", type=int, default=5,
+                       help="stack: turns per conversation (and --repeats: runs per policy)")
     bench.set_defaults(func=_bench)
     return parser
 
