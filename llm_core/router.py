@@ -16,13 +16,21 @@ Policies:
 
 * ``kv-affinity`` (default): the worker with the most reusable tokens minus
   a load term (``load_weight`` x tokens it has queued to compute); a request
-  no worker has cached goes to the least loaded.
+  no worker has cached goes to the least loaded. Loads are bounded
+  (consistent hashing with bounded loads, Mirrokni, Thorup and
+  Zadimoghaddam, SODA 2018): a worker whose work so far exceeds
+  ``max_load_ratio`` x the mean, plus one average request, takes no request
+  while another is under that bound. Queues say little where agents wait
+  for their answers -- they stay short while one worker's sessions keep it
+  busier than the rest -- and there the bound keeps the shares even, at the
+  price of a recompute for each request it sends elsewhere.
 * ``round-robin`` and ``least-load`` (fewest tokens queued to compute), the
   baselines.
 
-A worker's load is the prompt tokens of requests routed to it that have not
+A worker's queue is the prompt tokens of requests routed to it that have not
 finished their prefill (less what it was expected to reuse), or what it
-reports, whichever is more (several routers may share a worker). Pure
+reports, whichever is more (several routers may share a worker); its work is
+the prompt tokens routed to it not expected cached, done or queued. Pure
 logic: the same router serves the API process and the trace simulation.
 """
 
@@ -184,10 +192,18 @@ class WorkerState:
     routed: int = 0
     computed_tokens: int = 0  # prompt tokens routed here and not expected cached
     expected_cached_tokens: int = 0
+    work_base: float = 0.0  # a worker that joins late starts level with the others
 
     @property
     def queued_tokens(self) -> int:
         return max(self.outstanding_tokens, self.reported_queue_tokens)
+
+    @property
+    def work(self) -> float:
+        """Tokens routed here to compute, done or queued: this router's own
+        count (a worker's report of its queue moves with when it last
+        estimated its waiting requests' cache hits; shares need no report)."""
+        return self.work_base + self.computed_tokens
 
 
 @dataclass(frozen=True)
@@ -195,20 +211,38 @@ class RouteDecision:
     worker_id: str
     cached_tokens: int  # window-safe tokens the chosen worker is expected to reuse
     best_cached_tokens: int  # the most any worker could have reused
-    reason: str  # "affinity", "miss" (nobody had it: least loaded), "round-robin", "least-load"
+    # "affinity" (it reuses the most any worker could), "load" (a worker that
+    # had more was too busy), "balance" (one that had more was over the load
+    # bound), "miss" (nobody had any: the least loaded), "round-robin", "least-load"
+    reason: str
 
 
 class Router:
-    def __init__(self, policy: str = "kv-affinity", load_weight: float = 1.0) -> None:
-        """``load_weight``: tokens of reuse one queued token is worth giving up
-        (kv-affinity): at 1, a request goes where its own prefill would end
-        first."""
+    def __init__(self, policy: str = "kv-affinity", load_weight: float = 0.2,
+                 max_load_ratio: float = 1.25) -> None:
+        """kv-affinity's trade-offs.
+
+        ``load_weight``: tokens of queue one token of reuse is worth. At 1 a
+        request goes where its own prefill would end first; but leaving its
+        cache makes the other worker compute the prefix again, and in a queue
+        busy rho of the time each token of added work delays the requests
+        behind it by rho / (1 - rho) tokens in all (M/M/1), so a token of
+        reuse is worth 1 / (1 - rho) tokens of queue: 0.2 is 1 - rho at
+        rho = 0.8.
+
+        ``max_load_ratio``: the load bound's c (> 1): a worker takes requests
+        while its work is at most c x the mean plus one average request.
+        1.25 is the paper's example and what Vimeo runs; the guarantees
+        hold for any c > 1."""
         if policy not in ROUTE_POLICIES:
             raise ValueError(f"unknown route policy {policy!r}; choose from {', '.join(ROUTE_POLICIES)}")
         if load_weight < 0:
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        if max_load_ratio <= 1:
+            raise ValueError(f"max_load_ratio must be > 1, got {max_load_ratio}")
         self.policy = policy
         self.load_weight = load_weight
+        self.max_load_ratio = max_load_ratio
         self._workers: dict[str, WorkerState] = {}
         self._order = itertools.count()
         self._round_robin = 0
@@ -222,8 +256,13 @@ class Router:
 
     def add_worker(self, worker_id: str, geometry: CacheGeometry) -> None:
         """A worker starts taking requests, with an empty index (a worker that
-        registers again -- restarted -- starts from nothing too)."""
-        self._workers[worker_id] = WorkerState(worker_id, PrefixIndex(geometry), next(self._order))
+        registers again -- restarted -- starts from nothing too). Its work
+        starts at the others' mean: a newcomer is not sent everything until
+        it has caught up with workers that ran for hours."""
+        others = [s.work for wid, s in self._workers.items() if wid != worker_id]
+        state = WorkerState(worker_id, PrefixIndex(geometry), next(self._order))
+        state.work_base = sum(others) / len(others) if others else 0.0
+        self._workers[worker_id] = state
 
     def remove_worker(self, worker_id: str) -> list[Hashable]:
         """The worker is gone; the requests it had that were still routed to it."""
@@ -274,22 +313,41 @@ class Router:
             state = min(states, key=self._load_key)
             reason = "least-load"
         else:
-            best = max(cached.values(), default=0)
-            if best == 0:
-                state, reason = min(states, key=self._load_key), "miss"
-            else:
-                state = max(states, key=lambda s: (cached[s.worker_id] - self.load_weight * s.queued_tokens,
-                                                   *(-k for k in self._load_key(s))))
-                reason = "affinity"
+            state, reason = self._affinity(states, cached, len(tokens))
         hit = cached.get(state.worker_id, 0)
         self._account(state, request_id, len(tokens) - hit, hit)
         self.decisions[(state.worker_id, reason)] = self.decisions.get((state.worker_id, reason), 0) + 1
         return RouteDecision(state.worker_id, hit, max(cached.values(), default=0), reason)
 
+    def _affinity(self, states: list[WorkerState], cached: dict[str, int], tokens: int) -> tuple[WorkerState, str]:
+        """kv-affinity: the best score among the workers under the load bound."""
+        under = self._under_bound(states, tokens)
+        reusable = max((cached[s.worker_id] for s in under), default=0)
+        if reusable == 0:
+            state = min(under, key=self._load_key)
+        else:
+            state = max(under, key=lambda s: (cached[s.worker_id] - self.load_weight * s.queued_tokens,
+                                              *(-k for k in self._load_key(s))))
+        hit, best = cached[state.worker_id], max(cached.values(), default=0)
+        if best == 0:
+            return state, "miss"
+        if hit == best:
+            return state, "affinity"
+        return state, "balance" if reusable < best else "load"
+
+    def _under_bound(self, states: list[WorkerState], tokens: int) -> list[WorkerState]:
+        """The workers whose work is within the bound (all, if none is). Work
+        comes in requests, not tokens: the bound has one average request of
+        slack (this one counted whole), or no worker could take the first."""
+        total = sum(s.work for s in states)
+        request = (total + tokens) / (sum(s.routed for s in states) + 1)
+        bound = self.max_load_ratio * total / len(states) + request
+        return [s for s in states if s.work <= bound] or states
+
     @staticmethod
-    def _load_key(state: WorkerState) -> tuple[int, int, int, int]:
+    def _load_key(state: WorkerState) -> tuple[float, ...]:
         """Least loaded first: tokens queued, requests running, work sent so far, then order."""
-        return (state.queued_tokens, state.running, state.computed_tokens, state.order)
+        return (state.queued_tokens, state.running, state.work, state.order)
 
     def _account(self, state: WorkerState, request_id: Hashable, to_compute: int, hit: int) -> None:
         self.prefill_done(request_id)  # a request routed again (a retry) counts once
@@ -310,6 +368,6 @@ class Router:
 
     def loads(self) -> dict[str, dict[str, int]]:
         return {s.worker_id: {"queued_tokens": s.queued_tokens, "running": s.running, "routed": s.routed,
-                              "routed_uncached_tokens": s.computed_tokens,
+                              "routed_uncached_tokens": s.computed_tokens, "work_tokens": round(s.work),
                               "routed_cached_tokens": s.expected_cached_tokens, "indexed_pages": len(s.index)}
                 for s in self._workers.values()}

@@ -1,6 +1,8 @@
 """Schedule policies on trace replay: the engine's scheduler, pools and prefix
 cache serve a trace with its arrival times, and a cost model says how long
-each step takes, so TTFT is measured on a virtual clock.
+each step takes, so TTFT is measured on a virtual clock. The same replay runs
+N such workers on one clock behind a dispatcher (``replay_workers``: the
+router bench, ``bench/router.py``).
 
 Two cost models:
 
@@ -38,6 +40,7 @@ from typing import Any, Protocol
 
 from llm_core.bench.prefix_cache import MIMO_WINDOW, TokenFactory, TraceRequest, load_trace, trace_page_size
 from llm_core.config import ModelConfig
+from llm_core.kv_events import KVEventLog
 from llm_core.kv_pool import FullKVPool, KVAllocator, SWAKVPool
 from llm_core.prefix_cache import RadixCache
 from llm_core.schedule_policy import POLICIES, LengthBuckets
@@ -237,6 +240,25 @@ class RequestTimes:
     first_token: float | None = None
     finished: float | None = None
     failed: bool = False
+    worker: int = 0  # the worker that served it
+    cached_tokens: int = 0  # of its prompt, served by the worker's prefix cache
+
+
+@dataclass
+class WorkerStats:
+    """What one worker did in a replay."""
+
+    steps: int = 0
+    busy_s: float = 0.0
+    prefill_tokens: int = 0  # prompt rows computed (a preempted request's recompute counts again)
+    decode_tokens: int = 0
+    preemptions: int = 0
+    cached_prompt_tokens: int = 0  # the worker's own cache statistics
+    computed_prompt_tokens: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
 
 
 @dataclass
@@ -246,96 +268,217 @@ class ReplayResult:
     busy_s: float = 0.0
     preemptions: int = 0
     cached_tokens: int = 0
+    workers: list[WorkerStats] = field(default_factory=list)
+
+
+class VirtualClock:
+    """The replay's one clock: every worker's scheduler reads it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ReplayWorker:
+    """One engine on the virtual clock: its scheduler, pools and prefix cache
+    (recording KV events to ``events`` when given), and the step it runs."""
+
+    def __init__(self, config: ReplayConfig, page_size: int, clock: VirtualClock,
+                 events: KVEventLog | None = None) -> None:
+        self.allocator = KVAllocator(FullKVPool(config.full_tokens // page_size, page_size),
+                                     SWAKVPool(int(config.full_tokens * config.swa_fraction), 1), config.window)
+        self.cache = RadixCache(self.allocator, config.checkpoint_interval, events=events)
+        self.scheduler = Scheduler(self.allocator, SchedulerConfig(
+            config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size,
+            config.policy, config.bucket_edges), self.cache, clock=clock)
+        self.events = events
+        self.window = config.window
+        self.stats = WorkerStats()
+        self.chunks: list[ScheduledChunk] | None = None  # the step in flight
+        self.step_end = 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self.chunks is None
+
+    def start_step(self, cost: CostModel, now: float) -> None:
+        """Schedule a step (``RequestTooLarge`` passes through); it ends at ``step_end``."""
+        chunks = self.scheduler.schedule()
+        shape = step_shape(chunks, self.window)
+        seconds = cost.step_seconds(shape)
+        self.chunks, self.step_end = chunks, now + seconds
+        stats = self.stats
+        stats.busy_s += seconds
+        stats.steps += 1
+        stats.prefill_tokens += shape.prefill_tokens
+        stats.decode_tokens += shape.decode_rows
+
+    def final_stats(self) -> WorkerStats:
+        self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.cached_prompt_tokens = self.cache.stats.cached_prompt_tokens
+        self.stats.computed_prompt_tokens = self.cache.stats.computed_prompt_tokens
+        return self.stats
+
+
+class Dispatch(Protocol):
+    """Where requests go, and what it is told as they progress."""
+
+    def route(self, request_id: int, prompt: list[int]) -> int:
+        """The index of the worker that serves the request."""
+        ...
+
+    def prefilled(self, request_id: int) -> None:
+        """Its first token is out (or it failed): its prompt is no longer queued."""
+        ...
+
+    def stepped(self, worker: int) -> None:
+        """A step of ``worker`` ended (its cache changed)."""
+        ...
+
+
+class OneWorker:
+    """Every request to the one worker."""
+
+    def route(self, request_id: int, prompt: list[int]) -> int:
+        return 0
+
+    def prefilled(self, request_id: int) -> None:
+        pass
+
+    def stepped(self, worker: int) -> None:
+        pass
 
 
 def replay(requests: Seq[TraceRequest], cost: CostModel, config: ReplayConfig, time_scale: float = 1.0) -> ReplayResult:
     """Serve ``requests`` (arrivals x ``time_scale``) through the scheduler,
     pools and prefix cache; every step lasts what ``cost`` says."""
-    ps = trace_page_size(list(requests))
-    allocator = KVAllocator(FullKVPool(config.full_tokens // ps, ps),
-                            SWAKVPool(int(config.full_tokens * config.swa_fraction), 1), config.window)
-    cache = RadixCache(allocator, config.checkpoint_interval)
-    now = 0.0
-    scheduler = Scheduler(allocator, SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens,
-                                                     config.chunked_prefill_size, config.policy,
-                                                     config.bucket_edges), cache, clock=lambda: now)
-    buckets = LengthBuckets(config.bucket_edges)
-    factory = TokenFactory()
-    result = ReplayResult()
-    # Arrivals in time order; a session's request waits for the previous one's answer.
-    ready: list[tuple[float, int, TraceRequest]] = []  # (arrival, order, request): a heap
-    sessions: dict[str, deque[TraceRequest]] = {}
-    for req in sorted(requests, key=lambda r: r.arrival):
-        if req.session and config.closed_sessions:
-            sessions.setdefault(req.session, deque()).append(req)
-        else:
-            heapq.heappush(ready, (req.arrival * time_scale, len(ready), req))
-    order = itertools.count(len(ready))
-    for queue_ in sessions.values():
-        first = queue_.popleft()
-        heapq.heappush(ready, (first.arrival * time_scale, next(order), first))
-    live: dict[int, tuple[Sequence, RequestTimes, TraceRequest]] = {}
-    fresh = factory.fresh
-    next_id = 0
-    while ready or scheduler.has_unfinished():
-        while ready and ready[0][0] <= now:
-            arrival, _, req = heapq.heappop(ready)
-            prompt, _ = factory.request(req)
-            seq = Sequence(next_id, prompt, max(req.output_tokens, 1), allocator.new_view())
+    clock = VirtualClock()
+    worker = ReplayWorker(config, trace_page_size(list(requests)), clock)
+    return replay_workers(requests, cost, config, [worker], OneWorker(), clock, time_scale)
+
+
+def replay_workers(requests: Seq[TraceRequest], cost: CostModel, config: ReplayConfig,
+                   workers: Seq[ReplayWorker], dispatch: Dispatch, clock: VirtualClock,
+                   time_scale: float = 1.0) -> ReplayResult:
+    """Serve ``requests`` over ``workers`` on one virtual clock: each request
+    goes where ``dispatch`` routes it on arrival; each worker runs a step at
+    a time, and what a step computed counts only once it ends."""
+    return _TraceReplay(requests, cost, config, workers, dispatch, clock, time_scale).run()
+
+
+class _TraceReplay:
+    def __init__(self, requests: Seq[TraceRequest], cost: CostModel, config: ReplayConfig,
+                 workers: Seq[ReplayWorker], dispatch: Dispatch, clock: VirtualClock, time_scale: float) -> None:
+        self.cost, self.workers, self.dispatch, self.clock = cost, list(workers), dispatch, clock
+        self.time_scale = time_scale
+        self.buckets = LengthBuckets(config.bucket_edges)
+        self.factory = TokenFactory()
+        self.result = ReplayResult()
+        # Arrivals in time order; a session's request waits for the previous one's answer.
+        self.ready: list[tuple[float, int, TraceRequest]] = []  # (arrival, order, request): a heap
+        self.sessions: dict[str, deque[TraceRequest]] = {}
+        for req in sorted(requests, key=lambda r: r.arrival):
+            if req.session and config.closed_sessions:
+                self.sessions.setdefault(req.session, deque()).append(req)
+            else:
+                heapq.heappush(self.ready, (req.arrival * time_scale, len(self.ready), req))
+        self.order = itertools.count(len(self.ready))
+        for queue_ in self.sessions.values():
+            first = queue_.popleft()
+            heapq.heappush(self.ready, (first.arrival * time_scale, next(self.order), first))
+        self.live: dict[int, tuple[Sequence, RequestTimes, TraceRequest]] = {}
+        self.next_id = 0
+
+    def run(self) -> ReplayResult:
+        clock, workers = self.clock, self.workers
+        while self.ready or any(w.scheduler.has_unfinished() for w in workers):
+            self._arrive()
+            if not self._start_steps():
+                continue  # a request failed: its session's next one may be due now
+            busy = [w.step_end for w in workers if not w.idle]
+            if not busy:
+                clock.now = self.ready[0][0]
+                continue
+            clock.now = min(min(busy), self.ready[0][0] if self.ready else math.inf)
+            for i, worker in enumerate(workers):
+                if not worker.idle and worker.step_end <= clock.now:
+                    self._end_step(i, worker)
+        result = self.result
+        result.workers = [w.final_stats() for w in workers]
+        result.steps = sum(s.steps for s in result.workers)
+        result.busy_s = sum(s.busy_s for s in result.workers)
+        result.preemptions = sum(s.preemptions for s in result.workers)
+        result.cached_tokens = sum(s.cached_prompt_tokens for s in result.workers)
+        return result
+
+    def _arrive(self) -> None:
+        """Route and queue every request that has arrived by now."""
+        now = self.clock.now
+        while self.ready and self.ready[0][0] <= now:
+            arrival, _, req = heapq.heappop(self.ready)
+            prompt, _ = self.factory.request(req)
+            index = self.dispatch.route(self.next_id, prompt)
+            worker = self.workers[index]
+            seq = Sequence(self.next_id, prompt, max(req.output_tokens, 1), worker.allocator.new_view())
             seq.arrival = arrival
-            times = RequestTimes(seq.arrival, len(prompt), seq.max_tokens, buckets.of(len(prompt)))
-            result.times.append(times)
-            live[next_id] = (seq, times, req)
-            scheduler.add(seq)
-            next_id += 1
-        if not scheduler.has_unfinished():
-            now = ready[0][0]
-            continue
-        try:
-            chunks = scheduler.schedule()
-        except RequestTooLarge as exc:
-            scheduler.finish(exc.seq, "abort")
-            _, times, req = live.pop(exc.seq.request_id)
-            times.failed = True
-            _next_in_session(req, sessions, ready, order, now, time_scale)
-            continue
-        seconds = cost.step_seconds(step_shape(chunks, config.window))
-        now += seconds
-        result.busy_s += seconds
-        result.steps += 1
+            times = RequestTimes(arrival, len(prompt), seq.max_tokens, self.buckets.of(len(prompt)), worker=index)
+            self.result.times.append(times)
+            self.live[self.next_id] = (seq, times, req)
+            worker.scheduler.add(seq)
+            self.next_id += 1
+
+    def _start_steps(self) -> bool:
+        """A step on every idle worker with work; False when a request was
+        too large for its worker's pools (it failed, and nothing else started)."""
+        for worker in self.workers:
+            if not worker.idle or not worker.scheduler.has_unfinished():
+                continue
+            try:
+                worker.start_step(self.cost, self.clock.now)
+            except RequestTooLarge as exc:
+                worker.scheduler.finish(exc.seq, "abort")
+                _, times, req = self.live.pop(exc.seq.request_id)
+                times.failed = True
+                self.dispatch.prefilled(exc.seq.request_id)
+                self._next_in_session(req)
+                return False
+        return True
+
+    def _end_step(self, index: int, worker: ReplayWorker) -> None:
+        """The step's tokens are computed now: sample, answer, finish."""
+        chunks, worker.chunks = worker.chunks, None
+        assert chunks is not None
+        scheduler, now, fresh = worker.scheduler, self.clock.now, self.factory.fresh
         ended = []
         for chunk in chunks:
             seq = chunk.seq
-            sampled = chunk.samples
             scheduler.commit(chunk)
-            if not sampled:
+            if not chunk.samples:
                 continue
             seq.output.append(fresh(1)[0])
-            times = live[seq.request_id][1]
+            times = self.live[seq.request_id][1]
             if times.first_token is None:
-                times.first_token = now
+                times.first_token, times.cached_tokens = now, seq.cached_tokens or 0
+                self.dispatch.prefilled(seq.request_id)
             if len(seq.output) >= seq.max_tokens:
                 ended.append(seq)
         scheduler.after_step(chunks)
         for seq in ended:
             scheduler.finish(seq, "length")
-            _, times, req = live.pop(seq.request_id)
+            _, times, req = self.live.pop(seq.request_id)
             times.finished = now
-            _next_in_session(req, sessions, ready, order, now, time_scale)
-    result.preemptions = scheduler.num_preemptions
-    result.cached_tokens = cache.stats.cached_prompt_tokens
-    return result
+            self._next_in_session(req)
+        self.dispatch.stepped(index)
 
-
-def _next_in_session(done: TraceRequest, sessions: dict[str, deque[TraceRequest]],
-                     ready: list[tuple[float, int, TraceRequest]], order: Iterator[int], now: float,
-                     time_scale: float) -> None:
-    """Release the session's next request: at its trace time, or now if its
-    predecessor was answered later than that."""
-    queue_ = sessions.get(done.session) if done.session else None
-    if queue_:
-        nxt = queue_.popleft()
-        heapq.heappush(ready, (max(nxt.arrival * time_scale, now), next(order), nxt))
+    def _next_in_session(self, done: TraceRequest) -> None:
+        """Release the session's next request: at its trace time, or now if its
+        predecessor was answered later than that."""
+        queue_ = self.sessions.get(done.session) if done.session else None
+        if queue_:
+            nxt = queue_.popleft()
+            heapq.heappush(self.ready, (max(nxt.arrival * self.time_scale, self.clock.now), next(self.order), nxt))
 
 
 def _percentile(values: Seq[float], q: float) -> float:
@@ -376,29 +519,51 @@ def request_work(requests: Seq[TraceRequest], cost: CostModel, window: int = MIM
                 break
         for i in range(hit_blocks + 1, len(req.blocks) + 1):
             seen.add(req.blocks[:i])
-        start = min(hit_blocks * page, max(0, req.input_tokens - 1))
-        while start < req.input_tokens:
-            n = min(8192, req.input_tokens - start)
-            total += cost.step_seconds(StepShape(n, _attended(start, n), _attended(start, n, window), start,
-                                                 sampled_rows=1))
-            start += n
-        ctx = req.input_tokens + req.output_tokens // 2
-        decode = cost.step_seconds(StepShape(decode_rows=32, decode_context=32 * ctx,
-                                             decode_context_swa=32 * min(ctx, window), sampled_rows=32))
-        total += max(req.output_tokens - 1, 0) * decode / 32
+        for seconds in _work_seconds(cost, window, req.input_tokens, req.output_tokens, hit_blocks * page):
+            total += seconds
     return total
+
+
+def served_work(times: Iterable[RequestTimes], cost: CostModel, window: int = MIMO_WINDOW) -> float:
+    """The same, for requests as a replay served them: each prompt past the
+    prefix its worker's cache really served."""
+    total = 0.0
+    for t in times:
+        for seconds in _work_seconds(cost, window, t.prompt_tokens, t.output_tokens, t.cached_tokens):
+            total += seconds
+    return total
+
+
+def _work_seconds(cost: CostModel, window: int, input_tokens: int, output_tokens: int,
+                  hit_tokens: int) -> Iterator[float]:
+    """A request's work, step by step: its prompt past ``hit_tokens`` in
+    8K chunks alone, then its output at a 32-row decode step's cost per token."""
+    start = min(hit_tokens, max(0, input_tokens - 1))
+    while start < input_tokens:
+        n = min(8192, input_tokens - start)
+        yield cost.step_seconds(StepShape(n, _attended(start, n), _attended(start, n, window), start, sampled_rows=1))
+        start += n
+    ctx = input_tokens + output_tokens // 2
+    decode = cost.step_seconds(StepShape(decode_rows=32, decode_context=32 * ctx,
+                                         decode_context_swa=32 * min(ctx, window), sampled_rows=32))
+    yield max(output_tokens - 1, 0) * decode / 32
+
+
+def arrival_span(requests: Seq[TraceRequest]) -> float:
+    """Seconds from the first arrival to the last, unscaled."""
+    return max(r.arrival for r in requests) - min(r.arrival for r in requests)
 
 
 def load_scale(requests: Seq[TraceRequest], cost: CostModel, load: float) -> float:
     """The factor on arrival times that makes the offered work ``load`` of the time."""
-    span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
+    span = arrival_span(requests)
     return request_work(requests, cost) / (load * span) if span > 0 else 1.0
 
 
 def utilisation(result: ReplayResult) -> float:
-    """Busy time over the time from the first arrival to the last finish."""
+    """Busy time over the time from the first arrival to the last finish, per worker."""
     span = max((t.finished or 0.0) for t in result.times) - min(t.arrival for t in result.times)
-    return result.busy_s / span if span > 0 else 0.0
+    return result.busy_s / (span * max(1, len(result.workers))) if span > 0 else 0.0
 
 
 def calibrate_load(requests: Seq[TraceRequest], cost: CostModel, load: float, config: ReplayConfig,
@@ -476,5 +641,6 @@ def plot_cdf(cdfs: dict[str, list[float]], out: str, title: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["AnalyticCost", "LinearCost", "ReplayConfig", "StepShape", "calibrate_load", "load_scale",
-           "replay", "schedule_bench", "step_shape", "summarize", "utilisation"]
+__all__ = ["AnalyticCost", "Dispatch", "LinearCost", "ReplayConfig", "ReplayResult", "ReplayWorker", "StepShape",
+           "VirtualClock", "WorkerStats", "arrival_span", "calibrate_load", "load_scale", "replay",
+           "replay_workers", "schedule_bench", "served_work", "step_shape", "summarize", "utilisation"]
