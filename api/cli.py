@@ -395,13 +395,17 @@ def _add_role_parsers(sub: Any) -> None:
 
 
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
-    from llm_core.router import ROUTE_POLICIES
+    from llm_core.router import DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_LOAD_RATIO, ROUTE_POLICIES
 
     parser.add_argument("--route-policy", default="kv-affinity", choices=ROUTE_POLICIES,
                         help="kv-affinity (default): the worker that can reuse the longest window-safe prefix, "
                              "less a load term; round-robin; least-load")
-    parser.add_argument("--route-load-weight", type=float, default=1.0,
-                        help="kv-affinity: cached tokens one queued token outweighs")
+    parser.add_argument("--route-load-weight", type=float, default=DEFAULT_LOAD_WEIGHT,
+                        help="kv-affinity: tokens of queue one token of reuse is worth giving up "
+                             f"(default {DEFAULT_LOAD_WEIGHT})")
+    parser.add_argument("--route-max-load-ratio", type=float, default=DEFAULT_MAX_LOAD_RATIO,
+                        help="kv-affinity: a worker whose work so far exceeds this times the mean (plus one "
+                             f"request) takes no request while another is under it (default {DEFAULT_MAX_LOAD_RATIO})")
 
 
 def _add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
@@ -477,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     video_qa.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
-    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load", "step", "mtp", "tiers", "schedule", "router", "stack"])
+    bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load",
+                                        "step", "mtp", "tiers", "schedule", "router", "stack"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv, step: model shape")
     bench.add_argument("--running", type=int, default=64, help="step: running requests")

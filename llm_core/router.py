@@ -217,9 +217,13 @@ class RouteDecision:
     reason: str
 
 
+DEFAULT_LOAD_WEIGHT = 0.2
+DEFAULT_MAX_LOAD_RATIO = 1.25
+
+
 class Router:
-    def __init__(self, policy: str = "kv-affinity", load_weight: float = 0.2,
-                 max_load_ratio: float = 1.25) -> None:
+    def __init__(self, policy: str = "kv-affinity", load_weight: float = DEFAULT_LOAD_WEIGHT,
+                 max_load_ratio: float = DEFAULT_MAX_LOAD_RATIO) -> None:
         """kv-affinity's trade-offs.
 
         ``load_weight``: tokens of queue one token of reuse is worth. At 1 a

@@ -32,7 +32,7 @@ from llm_core import ModelConfig, MultimodalSpan, SamplingParams
 from llm_core.chat import ChatTemplate
 from llm_core.llm import check_context_length, encode_prompt
 from llm_core.multimodal import SpanRef, with_cache_tokens
-from llm_core.router import CacheGeometry, NoWorkers, Router
+from llm_core.router import DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_LOAD_RATIO, CacheGeometry, NoWorkers, Router
 from llm_core.tokenizer import Tokenizer
 from media import MediaError
 
@@ -360,7 +360,8 @@ class StackFrontend:
         options: ServerOptions = ServerOptions(),
         metrics: ServerMetrics | None = None,
         route_policy: str = "kv-affinity",
-        route_load_weight: float = 1.0,
+        route_load_weight: float = DEFAULT_LOAD_WEIGHT,
+        route_max_load_ratio: float = DEFAULT_MAX_LOAD_RATIO,
         shared_spool: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
@@ -372,7 +373,7 @@ class StackFrontend:
         self.chat_template = ChatTemplate.from_model_dir(self.model_dir)
         self.placeholder_ids = placeholder_token_ids(self.model_dir)
         sender = f"api-{uuid.uuid4().hex[:8]}"
-        self.router = Router(route_policy, route_load_weight)
+        self.router = Router(route_policy, route_load_weight, route_max_load_ratio)
         self.workers = WorkerLinks(workers, self.router, sender)
         self.encoders = EncoderLinks(parse_peers(encoders), m.EncoderPong, sender) if encoders else None
         self.engine = RemoteEngineClient(self.workers, options.max_pending_requests, self.encoders)

@@ -49,7 +49,8 @@ def _api(args: argparse.Namespace) -> int:
     metrics = ServerMetrics()
     frontend = StackFrontend(model_dir, workers=args.workers, encoders=args.encoders, name=args.served_model_name,
                              options=server_options(args), metrics=metrics, route_policy=args.route_policy,
-                             route_load_weight=args.route_load_weight, shared_spool=args.shared_spool)
+                             route_load_weight=args.route_load_weight,
+                             route_max_load_ratio=args.route_max_load_ratio, shared_spool=args.shared_spool)
     print(f"Swallow API for {model_dir} on http://{args.host}:{args.port}/ (workers {args.workers}, "
           f"route policy {args.route_policy})", flush=True)
     uvicorn.run(create_app(frontend, metrics), host=args.host, port=args.port, log_level=args.log_level)
@@ -90,7 +91,8 @@ def _stack(args: argparse.Namespace) -> int:
     plan = plan_stack(
         _model_dir(args), workers=args.workers, encoders=args.encoders, host=args.host, port=args.port,
         internal_ports=ports, store_name=f"swallow-stack-{os.getpid()}", embedding_cache_mib=args.embedding_cache_mib,
-        route_args=_passed(args, ("--route-policy", "route_policy"), ("--route-load-weight", "route_load_weight")),
+        route_args=_passed(args, ("--route-policy", "route_policy"), ("--route-load-weight", "route_load_weight"),
+                          ("--route-max-load-ratio", "route_max_load_ratio")),
         http_args=_passed(args, ("--served-model-name", "served_model_name"), ("--api-key", "api_key"),
                           ("--max-upload-mb", "max_upload_mb"), ("--spool-dir", "spool_dir"),
                           ("--max-pending-requests", "max_pending_requests")),

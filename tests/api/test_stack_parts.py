@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -256,3 +257,27 @@ def test_routing_decisions_and_worker_load_reach_the_metrics() -> None:
     assert 'swallow_worker_routed_cached_tokens{worker="w0"} 300.0' in text
     metrics.set_engine_stats({"routing": {**routing, "workers": {}}})  # w0 left
     assert 'swallow_worker_queued_tokens{worker="w0"}' not in metrics.render().decode()
+
+
+def test_route_options_reach_the_api_process_of_the_stack(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from api.cli import main
+
+    assert main(["stack", "--workers", "2", "--print-plan", "--route-policy", "least-load",
+                 "--route-load-weight", "0.5", "--route-max-load-ratio", "1.5"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    api = next(p["argv"] for p in plan["processes"] if p["role"] == "api")
+    options = dict(zip(api, api[1:]))  # each flag to the word after it
+    assert options["--route-policy"] == "least-load"
+    assert options["--route-load-weight"] == "0.5" and options["--route-max-load-ratio"] == "1.5"
+
+
+def test_the_api_process_builds_its_router_from_its_options() -> None:
+    from api.stack.frontend import StackFrontend
+
+    demo = Path(__file__).resolve().parents[2] / "models" / "demo"
+    frontend = StackFrontend(demo, workers="tcp://127.0.0.1:1", route_policy="kv-affinity",
+                             route_load_weight=0.5, route_max_load_ratio=1.5)
+    router = frontend.router
+    assert (router.policy, router.load_weight, router.max_load_ratio) == ("kv-affinity", 0.5, 1.5)
