@@ -148,7 +148,9 @@ def _bench(args: argparse.Namespace) -> int:
         if not args.trace:
             raise ValueError("bench router needs --trace (a directory of sessions or a .jsonl file)")
         result = router_bench(args.trace, workers=args.workers or 4, load=args.load, limit=args.limit,
-                              stagger_s=args.stagger_s, log=lambda msg: print(msg, file=sys.stderr))
+                              stagger_s=args.stagger_s, load_weight=args.route_load_weight,
+                              max_load_ratio=args.route_max_load_ratio, full_tokens=args.worker_full_tokens,
+                              log=lambda msg: print(msg, file=sys.stderr))
     elif args.name == "tiers":
         from api.bench_tiers import DEFAULT_LENGTHS, tiers_bench
 
@@ -509,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "steps measured on this machine (demo-size model) and fitted")
     bench.add_argument("--load", type=float, default=0.8, help="schedule: utilisation the arrivals are scaled to")
     bench.add_argument("--stagger-s", type=float, default=60.0,
-                       help="schedule: agentic sessions start this many trace seconds apart")
+                       help="schedule, router: agentic sessions start this many trace seconds apart")
     bench.add_argument("--open-sessions", action="store_true",
                        help="schedule: send every agentic request at its (scaled) trace time, not only once its "
                             "session's previous request is answered")
@@ -519,6 +521,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workers", type=int,
                        help="router: workers the trace is routed over (default 4); stack: LLM workers of each "
                             "stack (default 2)")
+    bench.add_argument("--route-load-weight", type=float,
+                       help="router: kv-affinity's load weight (default: the router's)")
+    bench.add_argument("--route-max-load-ratio", type=float,
+                       help="router: kv-affinity's load bound (default: the router's)")
+    bench.add_argument("--worker-full-tokens", type=int,
+                       help="router: each worker's full-pool tokens (default: what an 8xH200 node leaves for KV "
+                            "next to MiMo-V2.5-Pro's weights)")
     bench.add_argument("--full-pool-tokens", type=int, default=4_000_000, help="prefix-cache: full pool")
     bench.add_argument("--swa-fraction", type=float, default=0.05, help="prefix-cache: SWA pool / full pool")
     bench.add_argument("--checkpoint-interval", type=int, default=4096, help="prefix-cache: 0 for none")

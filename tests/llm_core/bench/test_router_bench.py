@@ -98,7 +98,8 @@ def test_the_cli_prints_the_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
     monkeypatch.setattr(bench, "router_bench", fake)
     assert main(["bench", "router", "--trace", "t", "--workers", "3", "--load", "0.7", "--limit", "9",
-                 "--stagger-s", "5", "--json"]) == 0
+                 "--stagger-s", "5", "--route-max-load-ratio", "1.5", "--worker-full-tokens", "1000", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"policies": {}}
     assert calls["trace"] == "t" and calls["workers"] == 3 and calls["load"] == 0.7 and calls["limit"] == 9
-    assert calls["stagger_s"] == 5.0
+    assert calls["stagger_s"] == 5.0 and calls["max_load_ratio"] == 1.5 and calls["full_tokens"] == 1000
+    assert calls["load_weight"] is None  # the router's default
