@@ -143,14 +143,7 @@ def _bench(args: argparse.Namespace) -> int:
             result = run_schedule_bench(args.trace, args.cost_model, args.load, args.limit, args.plot, log=log,
                                         stagger_s=args.stagger_s, closed_sessions=not args.open_sessions)
     elif args.name == "router":
-        from llm_core.bench.router import router_bench
-
-        if not args.trace:
-            raise ValueError("bench router needs --trace (a directory of sessions or a .jsonl file)")
-        result = router_bench(args.trace, workers=args.workers or 4, load=args.load, limit=args.limit,
-                              stagger_s=args.stagger_s, load_weight=args.route_load_weight,
-                              max_load_ratio=args.route_max_load_ratio, full_tokens=args.worker_full_tokens,
-                              log=lambda msg: print(msg, file=sys.stderr))
+        result = _bench_router(args)
     elif args.name == "tiers":
         from api.bench_tiers import DEFAULT_LENGTHS, tiers_bench
 
@@ -396,6 +389,25 @@ def _add_role_parsers(sub: Any) -> None:
     stack.set_defaults(func=_run_role)
 
 
+def _bench_router(args: argparse.Namespace) -> dict:
+    """One replay per policy at --worker-full-tokens; with --memory-sweep, one per
+    per-worker memory size in it ({"sweep": [...]}), plotted with --plot."""
+    from llm_core.bench.router import memory_sweep, plot_memory_sweep, router_bench
+
+    if not args.trace:
+        raise ValueError("bench router needs --trace (a directory of sessions or a .jsonl file)")
+    options = dict(workers=args.workers or 4, load=args.load, limit=args.limit, stagger_s=args.stagger_s,
+                   load_weight=args.route_load_weight, max_load_ratio=args.route_max_load_ratio,
+                   log=lambda msg: print(msg, file=sys.stderr))
+    if not args.memory_sweep:
+        return router_bench(args.trace, full_tokens=args.worker_full_tokens, **options)
+    sizes = [int(float(x)) for x in args.memory_sweep.split(",")]
+    results = memory_sweep(args.trace, sizes, **options)
+    if args.plot:
+        plot_memory_sweep(results, args.plot, f"{Path(args.trace).name}: {options['workers']} workers")
+    return {"sweep": results}
+
+
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     from llm_core.router import DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_LOAD_RATIO, ROUTE_POLICIES
 
@@ -525,6 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="router: kv-affinity's load weight (default: the router's)")
     bench.add_argument("--route-max-load-ratio", type=float,
                        help="router: kv-affinity's load bound (default: the router's)")
+    bench.add_argument("--memory-sweep", help="router: comma-separated full-pool tokens per worker to replay at "
+                       "(prints {\"sweep\": [...]}; --plot draws hit rate against memory)")
     bench.add_argument("--worker-full-tokens", type=int,
                        help="router: each worker's full-pool tokens (default: what an 8xH200 node leaves for KV "
                             "next to MiMo-V2.5-Pro's weights)")
@@ -534,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, help="prefix-cache, schedule: first N requests only")
     bench.add_argument("--plot", help="schedule: the TTFT CDF per policy to this PNG; "
                        "prefix-cache: also sweep SWA pool sizes and save a PNG here; "
-                       "load: save TTFT and throughput against concurrency as a PNG here")
+                       "load: save TTFT and throughput against concurrency as a PNG here; "
+                       "router --memory-sweep: hit rate per policy against memory per worker")
     bench.add_argument("--sweep", default="0.005,0.01,0.02,0.05,0.1,0.25,1.0",
                        help="prefix-cache: SWA pool fractions for --plot")
     bench.add_argument("--host-tokens", type=int, default=0,

@@ -103,3 +103,15 @@ def test_the_cli_prints_the_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert calls["trace"] == "t" and calls["workers"] == 3 and calls["load"] == 0.7 and calls["limit"] == 9
     assert calls["stagger_s"] == 5.0 and calls["max_load_ratio"] == 1.5 and calls["full_tokens"] == 1000
     assert calls["load_weight"] is None  # the router's default
+
+
+def test_the_cli_sweeps_memory_per_worker_and_plots_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "trace").mkdir()
+    trace = _sessions(tmp_path / "trace", sessions=4, turns=3)
+    plot = tmp_path / "sweep.png"
+    assert main(["bench", "router", "--trace", str(trace), "--workers", "2", "--stagger-s", "1",
+                 "--memory-sweep", "8192,32768", "--plot", str(plot), "--json"]) == 0
+    sweep = json.loads(capsys.readouterr().out)["sweep"]
+    assert [r["memory_per_worker"]["full_tokens"] for r in sweep] == [8192, 32768]
+    assert sweep[0]["one_big_cache"]["hit_rate"] <= sweep[1]["one_big_cache"]["hit_rate"]
+    assert plot.stat().st_size > 0
