@@ -236,8 +236,7 @@ class Router:
 
         ``max_load_ratio``: the load bound's c (> 1): a worker takes requests
         while its work is at most c x the mean plus one average request.
-        1.25 is the paper's example and what Vimeo runs; the guarantees
-        hold for any c > 1."""
+        1.25 is the paper's example; its guarantees hold for any c > 1."""
         if policy not in ROUTE_POLICIES:
             raise ValueError(f"unknown route policy {policy!r}; choose from {', '.join(ROUTE_POLICIES)}")
         if load_weight < 0:

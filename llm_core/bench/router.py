@@ -49,6 +49,7 @@ from llm_core.bench.schedule import (
     ReplayResult,
     ReplayWorker,
     VirtualClock,
+    WorkerStats,
     arrival_span,
     load_scale,
     replay,
@@ -150,9 +151,10 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b else None
 
 
-def hit_rate(result: ReplayResult) -> float:
-    cached = sum(w.cached_prompt_tokens for w in result.workers)
-    total = cached + sum(w.computed_prompt_tokens for w in result.workers)
+def hit_rate(workers: Seq[WorkerStats]) -> float:
+    """Cached prompt tokens over prompt tokens, by the workers' own cache statistics."""
+    cached = sum(w.cached_prompt_tokens for w in workers)
+    total = cached + sum(w.computed_prompt_tokens for w in workers)
     return cached / total if total else 0.0
 
 
@@ -164,7 +166,7 @@ def policy_summary(result: ReplayResult, dispatch: RouterDispatch) -> dict[str, 
     for (_, reason), n in dispatch.router.decisions.items():
         reasons[reason] = reasons.get(reason, 0) + n
     return {
-        "hit_rate": round(hit_rate(result), 4),
+        "hit_rate": round(hit_rate(result.workers), 4),
         "load_max_over_mean": round(max(computed) / mean, 4) if mean else None,
         **summarize(result.times),
         "utilisation": round(utilisation(result), 4),
@@ -176,7 +178,7 @@ def policy_summary(result: ReplayResult, dispatch: RouterDispatch) -> dict[str, 
         "decisions": reasons,
         "workers": [{"requests": sum(t.worker == i for t in result.times), "computed_tokens": w.computed_tokens,
                      "prefill_tokens": w.prefill_tokens, "decode_tokens": w.decode_tokens,
-                     "hit_rate": _ratio(w.cached_prompt_tokens, w.cached_prompt_tokens + w.computed_prompt_tokens),
+                     "hit_rate": round(hit_rate([w]), 4),
                      "busy_s": round(w.busy_s, 2)}
                     for i, w in enumerate(result.workers)],
     }
@@ -200,7 +202,7 @@ class _Job:
         if self.policy is None:
             # Its arrivals are N x further apart (N x the speed): its hits compare, its latencies do not.
             result = replay(self.requests, self.cost, self.config, self.time_scale)
-            summary: dict[str, Any] = {"hit_rate": round(hit_rate(result), 4), "requests": len(result.times),
+            summary: dict[str, Any] = {"hit_rate": round(hit_rate(result.workers), 4), "requests": len(result.times),
                                        "failed": sum(t.failed for t in result.times)}
         else:
             router = Router(self.policy, **dict(self.router_options))
