@@ -76,6 +76,9 @@ class StreamEvent:
     token: int
     finish_reason: str | None  # on the last one: "stop" (a stop token or string) or "length"
     text: str = ""  # the text delta, when the request brought a detokenizer
+    logprob: float | None = None  # with SamplingParams.logprobs: see TokenEvent
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    cached_tokens: int | None = None  # on the first event: prompt tokens served by the prefix cache
 
 
 @dataclass

@@ -93,9 +93,14 @@ class ChatTemplate:
                 return cls(template)
         return cls(DEFAULT_CHAT_TEMPLATE)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               **variables: Any) -> str:
+        """The prompt text. ``variables`` reach the template as Hugging Face
+        templates expect them: ``tools`` (OpenAI tool definitions),
+        ``enable_thinking`` and whatever else a template reads."""
         try:
-            return self._compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
+            return self._compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         **variables)
         except TemplateError as exc:
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from exc
 

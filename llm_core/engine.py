@@ -108,6 +108,11 @@ class TokenEvent:
     token: int  # -1 on an "error" event
     finish_reason: str | None  # set on the request's last event: "stop", "length" or "error"
     error: str | None = None  # why the request failed, with finish_reason "error"
+    # With SamplingParams.logprobs: the token's log-probability under the model
+    # (log-softmax of the raw logits) and the most likely (token, logprob) pairs.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    cached_tokens: int | None = None  # on a request's first event: prompt tokens the prefix cache served
 
 
 class EngineFault(RuntimeError):

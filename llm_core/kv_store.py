@@ -664,7 +664,10 @@ class DiskKVStore(_ByteBudget):
             return None
         with f:
             try:
-                return self._read_verified(f, key, entry.file_bytes)
+                # The opened file's own size, not the index's: a put may have
+                # renamed a replacement of another size into place since the
+                # index was read, and a published file never changes.
+                return self._read_verified(f, key, os.fstat(f.fileno()).st_size)
             except _BadFile as bad:
                 reason, detail = bad.kind, f"key {key.hex()}"
             except OSError as exc:

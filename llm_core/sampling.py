@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_core.device import to_device
+from llm_core.grammar import GrammarSpec
 
 
 # Temperatures in (0, MIN_TEMPERATURE) are refused: dividing logits by them
@@ -28,6 +29,9 @@ MAX_TEMPERATURE = 100.0
 # torch.Generator seeds are 64-bit; OpenAI clients also send negative seeds.
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 MAX_TOP_K = (1 << 31) - 1  # vocabularies are indexed by int32; the engine also checks its own size
+MAX_PENALTY = 2.0  # presence / frequency, as OpenAI bounds them
+MAX_REPETITION_PENALTY = 10.0  # beyond this every seen token is simply banned
+MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,16 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's: subtracted from the logits of tokens already generated, once
+    # (presence) and per occurrence (frequency).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's / transformers': logits of tokens in the prompt or the output are
+    # divided by it where positive and multiplied where negative.
+    repetition_penalty: float = 1.0
+    # None: no log-probabilities; k >= 0: each token's, and the k most likely.
+    logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -55,12 +69,24 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or an integer from 1 to {MAX_TOP_K}, got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be an integer from {MIN_SEED} to {MAX_SEED}, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= _finite(getattr(self, name), name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be between -{MAX_PENALTY} and {MAX_PENALTY}, got {getattr(self, name)!r}")
+        if not 0.0 < _finite(self.repetition_penalty, "repetition_penalty") <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError("grammar must be a GrammarSpec")
         stops = tuple(self.stop_token_ids)
         if not all(_is_int(t) and t >= 0 for t in stops):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {list(stops)[:8]!r}")
         # Accept any iterable of ids but keep the dataclass hashable and frozen.
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", float(self.top_p))
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
     def check_vocabulary(self, vocab_size: int) -> None:
@@ -74,6 +100,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _is_int(value: object) -> bool:
