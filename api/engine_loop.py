@@ -312,14 +312,15 @@ class AsyncEngine:
         or the request's failure."""
         if event.error is not None:
             return RequestFailed(f"the request failed while generating: {event.error}")
+        extra = {"logprob": event.logprob, "top_logprobs": event.top_logprobs, "cached_tokens": event.cached_tokens}
         if handle.text is None:
-            return StreamEvent(event.token, event.finish_reason)
+            return StreamEvent(event.token, event.finish_reason, **extra)
         try:
             delta = handle.text.push(event.token, final=event.finish_reason is not None)
         except Exception as exc:  # noqa: BLE001 - this request's problem: the engine thread goes on
             log.exception("decoding the text of request %d failed", event.request_id)
             return RequestFailed(f"the request's text could not be decoded: {type(exc).__name__}: {exc}")
-        return StreamEvent(event.token, "stop" if handle.text.stopped else event.finish_reason, delta)
+        return StreamEvent(event.token, "stop" if handle.text.stopped else event.finish_reason, delta, **extra)
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid, handle in list(self._live.items()):

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence as SequenceOf
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from llm_core.block_table import BlockTable
@@ -33,7 +34,19 @@ from llm_core.kv_tiers import KVTiers, TierConfig, model_fingerprint
 from llm_core.schedule_policy import LengthBuckets
 from llm_core.kv_transfer import RESTORE_BUCKETS, EngineTierIO, model_weights_digest
 from llm_core.prefix_cache import RadixCache
-from llm_core.sampling import SamplingParams, SamplingPlan, SamplingRow, request_seed, sample_tokens, verify_drafts
+from llm_core.grammar import GrammarCompiler, GrammarMatcher, allows
+from llm_core.sampling import (
+    SamplingParams,
+    SamplingPlan,
+    SamplingRow,
+    TokenCounts,
+    apply_penalties,
+    apply_token_mask,
+    request_seed,
+    sample_tokens,
+    token_logprobs,
+    verify_drafts,
+)
 from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
 from llm_core.speculative import DraftTarget, MTPDrafter, SpeculativeStats, mtp_layer_forward
 
@@ -136,6 +149,24 @@ class _Sampling:
     seed: int
 
 
+@dataclass(frozen=True)
+class _Drawn:
+    """A request's tokens from one step, with their log-probabilities when it asked."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top: list[tuple[tuple[int, float], ...]] | None = None
+
+
+_NOTHING = _Drawn([])
+
+
+@dataclass(frozen=True)
+class _GrammarMasks:
+    bits: np.ndarray  # [requests * width, words] int32
+    drafts: list[int]  # each request's drafts its grammar takes
+
+
 def page_slots(pages: list[int], base_page: int, page_size: int, start: int, end: int) -> torch.Tensor:
     """Slots of positions [start, end) given the physical pages of logical
     pages base_page, base_page + 1, ... (vectorised: sequences are long)."""
@@ -230,10 +261,13 @@ def compiled_decode_logits(backend: str = "inductor") -> DecodeForwardFn:
 
 class Engine:
     def __init__(self, model: MiMoV2ForCausalLM, config: EngineConfig, device: torch.device,
-                 kv_events: KVEventLog | None = None) -> None:
+                 kv_events: KVEventLog | None = None, grammars: GrammarCompiler | None = None) -> None:
         """``kv_events``: the prefix cache and its tiers record there what they
-        hold (for a router); a new engine starts a new epoch of it."""
+        hold (for a router); a new engine starts a new epoch of it.
+        ``grammars``: compiles requests' grammars (structured outputs); without
+        it, a request with a grammar is refused."""
         self.model = model
+        self.grammars = grammars
         self.config = config
         self.device = device
         mc = model.config
@@ -293,6 +327,8 @@ class Engine:
         self._drafts: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._sampling: dict[int, _Sampling] = {}
         self._sequences: dict[int, Sequence] = {}
+        self._matchers: dict[int, GrammarMatcher] = {}  # requests with a grammar
+        self._counts = TokenCounts(mc.vocab_size, device)  # requests with penalties
         # Multimodal spans of running requests only (embeddings already on the
         # engine's device and dtype); requests without spans have no entry.
         self._spans: dict[int, tuple[MultimodalSpan, ...]] = {}
@@ -368,9 +404,14 @@ class Engine:
         check_spans(mm_spans, len(prompt), self.model.config.hidden_size)
         params.check_vocabulary(self.model.config.vocab_size)
         self.check_fits(len(prompt), params.max_tokens)
+        matcher = self._grammar_matcher(params)
         spans = self._place_spans(mm_spans)
         request_id = self._next_id
         self._next_id += 1
+        if matcher is not None:
+            self._matchers[request_id] = matcher
+        if params.penalised:
+            self._counts.admit(request_id, prompt)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self._sampling[request_id] = _Sampling(params, frozenset(stop_ids), request_seed(params))
         # Prefix-cache keys see each span's content key, not its placeholder ids.
@@ -381,6 +422,13 @@ class Engine:
             self._spans[request_id] = spans
         self.scheduler.add(seq)
         return request_id
+
+    def _grammar_matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+        if params.grammar is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured outputs need the checkpoint's tokenizer.json, which this model lacks")
+        return self.grammars.matcher(params.grammar)
 
     def _place_spans(self, spans: SequenceOf[MultimodalSpan]) -> tuple[MultimodalSpan, ...]:
         """The spans with embeddings on the engine's device and dtype, moved
@@ -437,22 +485,31 @@ class Engine:
         events: list[TokenEvent] = []
         kept: list[ScheduledChunk] = []
         ending: list[tuple[Sequence, str]] = []
+        counted: dict[int, list[int]] = {}
         for chunk in chunks:
             seq = chunk.seq
-            result = drawn.get(seq.request_id, [])
+            result = drawn.get(seq.request_id, _NOTHING)
             if isinstance(result, Exception):
                 events.append(self._fail(seq, result))
                 continue
-            tokens, reason = self._keep(seq, result)
+            tokens, reason = self._keep(seq, result.tokens)
+            try:
+                tokens, reason = self._follow_grammar(seq.request_id, tokens, reason)
+            except ValueError as exc:
+                events.append(self._fail(seq, exc))
+                continue
             # Nothing acts on a draft before this: rejected ones leave both pools here.
             self.scheduler.commit(chunk, max(0, len(tokens) - 1))
             self._drafts.pop(seq.request_id, None)
+            first = not seq.output
             seq.output.extend(tokens)
-            events += [TokenEvent(seq.request_id, t, reason if i == len(tokens) - 1 else None)
-                       for i, t in enumerate(tokens)]
+            if seq.request_id in self._counts:
+                counted[seq.request_id] = tokens
+            events += self._token_events(seq, tokens, reason, result, first)
             kept.append(chunk)
             if reason is not None:
                 ending.append((seq, reason))
+        self._counts.add(counted)
         if self.drafter is not None and kept:
             decoding = {c.seq.request_id for c in sampled} - {seq.request_id for seq, _ in ending}
             self._draft(kept, decoding)
@@ -472,7 +529,32 @@ class Engine:
         tokens = tokens[:room]
         return tokens, "length" if tokens and len(seq.output) + len(tokens) >= seq.max_tokens else None
 
-    def _draw(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[int, list[int] | Exception]:
+    def _follow_grammar(self, request_id: int, tokens: list[int], reason: str | None) -> tuple[list[int], str | None]:
+        """Advance the request's grammar by its new tokens; the output ends
+        ("stop") where the grammar does. ValueError if it refuses a token."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return tokens, reason
+        for i, token in enumerate(tokens):
+            if not matcher.consume(token):
+                raise ValueError(f"token {token} breaks the request's grammar: {matcher.error}")
+            if matcher.stopped:
+                return tokens[: i + 1], "stop"
+        return tokens, reason
+
+    @staticmethod
+    def _token_events(seq: Sequence, tokens: list[int], reason: str | None, drawn: _Drawn,
+                      first: bool) -> list[TokenEvent]:
+        last = len(tokens) - 1
+        return [
+            TokenEvent(seq.request_id, t, reason if i == last else None,
+                       logprob=drawn.logprobs[i] if drawn.logprobs is not None else None,
+                       top_logprobs=drawn.top[i] if drawn.top is not None else (),
+                       cached_tokens=seq.cached_tokens if first and i == 0 else None)
+            for i, t in enumerate(tokens)
+        ]
+
+    def _draw(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[int, _Drawn | Exception]:
         """Every sampling chunk's new tokens, in one batched draw and one
         device-to-host copy; if that fails, chunk by chunk, so only the chunks
         that fail end (e.g. NaN logits)."""
@@ -481,7 +563,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - narrowed to the failing chunks below
             if len(chunks) == 1:
                 return {chunks[0].seq.request_id: exc}
-            out: dict[int, list[int] | Exception] = {}
+            out: dict[int, _Drawn | Exception] = {}
             offset = 0
             for chunk in chunks:
                 n = chunk.drafts + 1
@@ -489,29 +571,123 @@ class Engine:
                 offset += n
             return out
 
-    def _draw_batch(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[int, list[int] | Exception]:
+    def _draw_batch(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[int, _Drawn | Exception]:
         rows = [self._sampling_row(chunk.seq) for chunk in chunks]
         plan = SamplingPlan.build(rows, logits.shape[-1], logits.device)
         most = max(chunk.drafts for chunk in chunks)
+        width = most + 1
         if most == 0:
-            tokens = sample_tokens(logits, plan).tolist()
-            return {chunk.seq.request_id: [token] for chunk, token in zip(chunks, tokens)}
-        # Each chunk's rows (its next position, then its drafts) padded to most + 1.
-        index, offset = [], 0
-        for chunk in chunks:
-            index.append([offset + min(i, chunk.drafts) for i in range(most + 1)])
-            offset += chunk.drafts + 1
-        rows_logits = logits[to_device(torch.tensor(index), logits.device)]
-        drafts, probs = self._pending_drafts(chunks, most, plan)
-        num_drafts = to_device(torch.tensor([chunk.drafts for chunk in chunks]), logits.device)
-        tokens, accepted = verify_drafts(rows_logits, drafts, num_drafts, probs, plan)
+            raw = logits
+            adjusted, _ = self._adjust(chunks, logits, 1, None)
+            tokens = sample_tokens(adjusted, plan).view(-1, 1)
+            accepted = torch.zeros(len(chunks), dtype=torch.long, device=logits.device)
+        else:
+            # Each chunk's rows (its next position, then its drafts) padded to most + 1.
+            index, offset = [], 0
+            for chunk in chunks:
+                index.append([offset + min(i, chunk.drafts) for i in range(width)])
+                offset += chunk.drafts + 1
+            rows_logits = logits[to_device(torch.tensor(index), logits.device)]
+            drafts, probs = self._pending_drafts(chunks, most, plan)
+            raw = rows_logits.view(-1, rows_logits.shape[-1])
+            adjusted, num = self._adjust(chunks, raw, width, drafts)
+            num_drafts = to_device(torch.tensor(num), logits.device)
+            tokens, accepted = verify_drafts(adjusted.view_as(rows_logits), drafts, num_drafts, probs, plan)
+        logprobs = self._logprobs(chunks, raw, tokens)
         host = torch.cat((tokens, accepted[:, None]), dim=1).tolist()  # one copy
-        out: dict[int, list[int] | Exception] = {}
-        for chunk, row in zip(chunks, host):
+        out: dict[int, _Drawn | Exception] = {}
+        for i, (chunk, row) in enumerate(zip(chunks, host)):
             n = row[-1]
             if chunk.drafts:
                 self.spec_stats.record(chunk.drafts, n)
-            out[chunk.seq.request_id] = row[: n + 1]
+            chosen, top = logprobs.get(i, (None, None))
+            out[chunk.seq.request_id] = _Drawn(row[: n + 1], chosen[: n + 1] if chosen is not None else None,
+                                               top[: n + 1] if top is not None else None)
+        return out
+
+    def _adjust(self, chunks: list[ScheduledChunk], logits: torch.Tensor, width: int,
+                drafts: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
+        """``logits`` [B * width, vocab] (chunk i's rows from i * width: its
+        next position, then one per draft) with the penalties and grammar masks
+        of the chunks that have them, and each chunk's drafts, fewer where a
+        draft breaks the request's grammar (the rows after it cannot be kept)."""
+        num = [chunk.drafts for chunk in chunks]
+        penalised = [i for i, chunk in enumerate(chunks) if chunk.seq.request_id in self._counts]
+        constrained = [i for i, chunk in enumerate(chunks) if chunk.seq.request_id in self._matchers]
+        if not penalised and not constrained:
+            return logits, num
+        draft_ids = drafts.tolist() if drafts is not None else [[] for _ in chunks]
+        if penalised:
+            ids = [chunks[i].seq.request_id for i in penalised]
+            penalties = self._counts.penalties(
+                [i * width + j for i in penalised for j in range(width)],
+                [rid for rid in ids for _ in range(width)],
+                [self._sampling[rid].params for rid in ids for _ in range(width)],
+                [draft_ids[i][:j] for i in penalised for j in range(width)],
+            )
+            logits = apply_penalties(logits, penalties)
+        if constrained:
+            masks = self._grammar_masks([chunks[i].seq.request_id for i in constrained],
+                                        [draft_ids[i] for i in constrained], [num[i] for i in constrained], width)
+            for k, i in enumerate(constrained):
+                num[i] = masks.drafts[k]
+            rows = to_device(torch.tensor([i * width + j for i in constrained for j in range(width)]), logits.device)
+            logits = apply_token_mask(logits, rows, to_device(torch.from_numpy(masks.bits), logits.device))
+        return logits, num
+
+    def _grammar_masks(self, request_ids: list[int], drafts: list[list[int]], num: list[int],
+                       width: int) -> _GrammarMasks:
+        """Each request's allowed-token bitmask at its next position and after
+        each of its drafts, found by taking the drafts into its grammar and
+        rolling them back; a draft the grammar refuses ends the request's
+        drafts there. Rows past them allow everything (they are never kept)."""
+        assert self.grammars is not None
+        bits = np.full((len(request_ids) * width, self.grammars.words), -1, dtype=np.int32)
+        ends = self.grammars.eos_ids
+        kept: list[int] = []
+        for k, (request_id, proposed, n) in enumerate(zip(request_ids, drafts, num)):
+            matcher = self._matchers[request_id]
+            valid = taken = 0  # drafts the grammar allows; of them, those it took (an end is not taken)
+            try:
+                for j in range(n + 1):
+                    row = bits[k * width + j]
+                    matcher.fill_mask(row)
+                    if not row.any():
+                        raise ValueError(f"the request's grammar allows no token here: {matcher.error}")
+                    if j == n or not allows(row, proposed[j]):
+                        break
+                    valid += 1
+                    if proposed[j] in ends or not matcher.consume(proposed[j]):
+                        break  # an allowed end: the output ends with this draft
+                    taken += 1
+                    if matcher.stopped:  # a draft completed the output: nothing after it is kept
+                        break
+            finally:
+                matcher.rollback(taken)
+            kept.append(valid)
+        return _GrammarMasks(bits, kept)
+
+    def _logprobs(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
+                  tokens: torch.Tensor) -> dict[int, tuple[list[float], list[tuple[tuple[int, float], ...]] | None]]:
+        """Chunk index -> (logprob of each drawn token, its top alternatives) for
+        the chunks that asked; ``logits`` [B * width, vocab] raw, ``tokens`` [B, width]."""
+        want = [(i, self._sampling[chunk.seq.request_id].params.logprobs) for i, chunk in enumerate(chunks)]
+        want = [(i, top) for i, top in want if top is not None]
+        if not want:
+            return {}
+        width = tokens.shape[1]
+        top = max(k for _, k in want)
+        rows = to_device(torch.tensor([i * width + j for i, _ in want for j in range(width)]), logits.device)
+        chosen, values, ids = token_logprobs(logits[rows], tokens.reshape(-1)[rows], top)
+        chosen_host = chosen.view(len(want), width).tolist()
+        values_host = values.view(len(want), width, top).tolist() if values is not None else None
+        ids_host = ids.view(len(want), width, top).tolist() if ids is not None else None
+        out: dict[int, tuple[list[float], list[tuple[tuple[int, float], ...]] | None]] = {}
+        for w, (i, k) in enumerate(want):
+            alternatives = None
+            if values_host is not None and ids_host is not None:
+                alternatives = [tuple(zip(ids_host[w][j][:k], values_host[w][j][:k])) for j in range(width)]
+            out[i] = (chosen_host[w], alternatives)
         return out
 
     def _pending_drafts(self, chunks: list[ScheduledChunk], most: int,
@@ -755,6 +931,8 @@ class Engine:
         del self._sequences[seq.request_id]
         self._spans.pop(seq.request_id, None)
         self._drafts.pop(seq.request_id, None)
+        self._matchers.pop(seq.request_id, None)
+        self._counts.release(seq.request_id)
 
     def _tier_stats(self) -> dict[str, Any] | None:
         tiers = self.cache.tiers if self.cache is not None else None

@@ -7,10 +7,17 @@ travels between processes and is checked again where it is compiled.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-__all__ = ["GRAMMAR_KINDS", "GrammarKind", "GrammarSpec", "MAX_GRAMMAR_CHARS"]
+import numpy as np
+
+__all__ = [
+    "GRAMMAR_KINDS", "GrammarCompiler", "GrammarKind", "GrammarMatcher", "GrammarSpec", "MAX_GRAMMAR_CHARS",
+    "allows",
+]
 
 GrammarKind = Literal["json_schema", "json_object", "lark", "regex"]
 GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "lark", "regex")
@@ -37,3 +44,127 @@ class GrammarSpec:
             raise ValueError(f"a grammar of {len(self.source)} characters is too long (at most {MAX_GRAMMAR_CHARS})")
         if self.kind != "json_object" and not self.source:
             raise ValueError(f"a {self.kind} grammar needs its source")
+
+
+class GrammarCompiler:
+    """Grammars for one tokenizer: checks and compiles ``GrammarSpec``s and
+    makes a matcher per request. The llguidance tokenizer (a pass over the
+    vocabulary) is built on first use, so servers that never see a grammar do
+    not pay for it."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        if not eos_ids:
+            raise ValueError("constrained decoding needs the model's end-of-sequence token")
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self._tokenizer: Any = None
+        self._texts: dict[GrammarSpec, str] = {}
+
+    @classmethod
+    def from_file(cls, path: str | Path, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarCompiler:
+        return cls(Path(path).read_text(), vocab_size, eos_ids)
+
+    @property
+    def words(self) -> int:
+        """int32 words of one row of a token bitmask."""
+        return (self.vocab_size + 31) // 32
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            import llguidance
+
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                     eos_token=list(self.eos_ids))
+        return self._tokenizer
+
+    def compile(self, spec: GrammarSpec) -> str:
+        """llguidance's grammar text for ``spec``; ValueError, with the
+        library's reason, when it is not a grammar this tokenizer can follow."""
+        text = self._texts.get(spec)
+        if text is not None:
+            return text
+        import llguidance
+
+        try:
+            text = _grammar_text(spec)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise ValueError(f"the {spec.kind} grammar is invalid: {exc}") from None
+        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        if error:
+            raise ValueError(f"the {spec.kind} grammar is invalid: {error}")
+        if len(self._texts) >= _MAX_CACHED_GRAMMARS:
+            self._texts.pop(next(iter(self._texts)))
+        self._texts[spec] = text
+        return text
+
+    def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer, self.compile(spec))
+        if matcher.is_error():
+            raise ValueError(f"the {spec.kind} grammar is invalid: {matcher.get_error()}")
+        return GrammarMatcher(matcher)
+
+
+_MAX_CACHED_GRAMMARS = 256
+
+
+# JSON as json.dumps writes it ({"a": 1, "b": [2, 3]}): free whitespace lets a
+# sampled model wander through tabs and newlines the schema never meant.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _grammar_text(spec: GrammarSpec) -> str:
+    import llguidance
+
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_LAYOUT)
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.source)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the schema is not JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("a JSON schema must be an object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
+    if spec.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec.source)
+    return llguidance.LLMatcher.grammar_from_regex(spec.source)
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: the tokens it may take next, as
+    a bitmask row (bit t of word t // 32 set: token t allowed)."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        """Write the allowed-next-token bitmask into ``row`` (int32, contiguous)."""
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def consume(self, token: int) -> bool:
+        """Advance by ``token``; False (and the matcher in error) if the grammar refuses it."""
+        return bool(self._matcher.consume_token(token))
+
+    def rollback(self, count: int) -> None:
+        """Undo the last ``count`` tokens taken (an end-of-sequence token that
+        stopped the grammar is not one of them: it leaves no token behind)."""
+        if count:
+            self._matcher.rollback(count)
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and its end was taken: the output is whole."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return str(self._matcher.get_error())
+
+
+def allows(row: np.ndarray, token: int) -> bool:
+    """Whether a bitmask row lets ``token`` through."""
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)

@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 
 from llm_core.config import ModelConfig
+from llm_core.grammar import GrammarCompiler
 from llm_core.engine import Engine, EngineConfig, TokenEvent
 from llm_core.kv_events import KVEventLog
 from llm_core.multimodal import MultimodalSpan, check_spans
 from llm_core.sampling import SamplingParams
-from llm_core.tokenizer import Tokenizer
+from llm_core.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm_core.weights import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,7 +65,11 @@ class LLM:
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         engine_config = EngineConfig(**engine_options)
         self.kv_events = kv_events
-        self.engine = Engine(self.model, engine_config, self.device, kv_events)
+        tokenizer_file = self.model_dir / TOKENIZER_FILE
+        # Structured outputs need the tokenizer's vocabulary; a checkpoint without one refuses grammars.
+        self.grammars = GrammarCompiler.from_file(tokenizer_file, self.config.vocab_size, self.config.eos_token_ids) \
+            if tokenizer_file.exists() and self.config.eos_token_ids else None
+        self.engine = Engine(self.model, engine_config, self.device, kv_events, self.grammars)
 
     def close(self) -> None:
         """Finish the KV tiers' disk writes (a later process over the same
@@ -154,7 +159,7 @@ class LLM:
         config = self.engine.config
         self.engine.close(persist=False)  # disk writes finish; host entries made before the fault are dropped
         del self.engine  # its KV tensors go before the new ones are allocated
-        self.engine = Engine(self.model, config, self.device, self.kv_events)
+        self.engine = Engine(self.model, config, self.device, self.kv_events, self.grammars)
 
     def _decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)

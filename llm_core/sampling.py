@@ -70,8 +70,9 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be an integer from {MIN_SEED} to {MAX_SEED}, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= _finite(getattr(self, name), name) <= MAX_PENALTY:
-                raise ValueError(f"{name} must be between -{MAX_PENALTY} and {MAX_PENALTY}, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= _finite(value, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be between -{MAX_PENALTY} and {MAX_PENALTY}, got {value!r}")
         if not 0.0 < _finite(self.repetition_penalty, "repetition_penalty") <= MAX_REPETITION_PENALTY:
             raise ValueError(
                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}")
@@ -197,6 +198,131 @@ def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
     drop[:, 0] = False  # a top_p that rounds to 0 in float32 must still leave the top token
     ordered = ordered.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, order, ordered)
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """The penalties of some rows of a step, as tensors: ``counts`` of each
+    token in the request's output so far and ``seen`` (prompt or output) [P, vocab]."""
+
+    rows: torch.Tensor  # [P] logits rows they apply to
+    counts: torch.Tensor  # [P, vocab] float32
+    seen: torch.Tensor  # [P, vocab] bool
+    presence: torch.Tensor  # [P, 1] float32
+    frequency: torch.Tensor  # [P, 1]
+    repetition: torch.Tensor  # [P, 1]
+
+
+class TokenCounts:
+    """Per-request token counts on the device for the penalties: one row per
+    penalised request in a shared buffer, updated for a whole step in one
+    scatter, so a step's cost does not grow with the requests' lengths."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._slot: dict[int, int] = {}
+        self._free: list[int] = []
+        self._counts = torch.zeros(0, vocab_size, device=device)
+        self._seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._slot
+
+    def admit(self, request_id: int, prompt: list[int]) -> None:
+        """Start counting for a request; its prompt tokens count as seen."""
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self._slot[request_id] = slot
+        self._counts[slot].zero_()
+        self._seen[slot].zero_()
+        if prompt:
+            self._seen[slot, to_device(torch.tensor(prompt, dtype=torch.int64), self.device)] = True
+
+    def _grow(self) -> None:
+        old = self._counts.shape[0]
+        new = max(8, 2 * old)
+        self._counts = torch.cat((self._counts, self._counts.new_zeros(new - old, self.vocab_size)))
+        self._seen = torch.cat((self._seen, self._seen.new_zeros(new - old, self.vocab_size)))
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def add(self, tokens: dict[int, list[int]]) -> None:
+        """Count each request's new tokens (requests not counted are skipped)."""
+        slots, ids = [], []
+        for request_id, new in tokens.items():
+            slot = self._slot.get(request_id)
+            if slot is not None:
+                slots += [slot] * len(new)
+                ids += new
+        if not ids:
+            return
+        index = (to_device(torch.tensor(slots), self.device), to_device(torch.tensor(ids), self.device))
+        self._counts.index_put_(index, torch.ones(len(ids), device=self.device), accumulate=True)
+        self._seen[index] = True
+
+    def release(self, request_id: int) -> None:
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def penalties(self, rows: list[int], request_ids: list[int], params: list[SamplingParams],
+                  extra: list[list[int]] | None = None) -> Penalties:
+        """The penalties of logits ``rows``, row i for ``request_ids[i]``;
+        ``extra[i]``: tokens row i sees beyond the counted ones (drafts before it)."""
+        index = to_device(torch.tensor([self._slot[r] for r in request_ids]), self.device)
+        counts, seen = self._counts[index], self._seen[index]
+        if extra is not None and any(extra):
+            at = [(i, t) for i, tokens in enumerate(extra) for t in tokens]
+            where = tuple(to_device(torch.tensor(c), self.device) for c in zip(*at))
+            counts = counts.index_put(where, torch.ones(len(at), device=self.device), accumulate=True)
+            seen = seen.index_put(where, torch.ones(len(at), dtype=torch.bool, device=self.device))
+
+        def column(values: list[float]) -> torch.Tensor:
+            return to_device(torch.tensor(values, dtype=torch.float32).view(-1, 1), self.device)
+
+        return Penalties(to_device(torch.tensor(rows), self.device), counts, seen,
+                         column([p.presence_penalty for p in params]), column([p.frequency_penalty for p in params]),
+                         column([p.repetition_penalty for p in params]))
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """``logits`` [B, vocab] with each penalised row adjusted, out of place:
+    repetition first (divide positive logits of seen tokens, multiply
+    negative ones), then OpenAI's ``- frequency * count - presence * (count > 0)``."""
+    rows = logits[penalties.rows].float()
+    r = penalties.repetition
+    rows = torch.where(penalties.seen, torch.where(rows > 0, rows / r, rows * r), rows)
+    counts = penalties.counts
+    rows = rows - penalties.frequency * counts - penalties.presence * (counts > 0).float()
+    out = logits.clone()
+    out[penalties.rows] = rows.to(out.dtype)
+    return out
+
+
+def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` [B, vocab] with the tokens ``bitmask`` [M, words] (int32, bit
+    t % 32 of word t // 32: token t allowed) does not allow set to -inf in
+    ``rows`` [M]; out of place. Every row keeps at least one token, so a
+    grammar that allows nothing is caught on the host, not sampled as NaN."""
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                                  torch.Tensor | None]:
+    """Log-softmax of ``logits`` [R, vocab] (float32) at ``tokens`` [R], and
+    the ``top`` most likely (logprobs [R, top], ids [R, top]) when top > 0."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1)
+    if top <= 0:
+        return chosen, None, None
+    values, ids = logprobs.topk(top, dim=-1)
+    return chosen, values, ids
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, offset: int) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,11 @@ class RemoteEngineClient:
                 self.router.prefill_done(request_id)
             for i, token in enumerate(message.tokens):
                 reason = message.finish_reason if i == len(message.tokens) - 1 else None
-                yield _with_text(token, reason, text)
+                event = _with_text(token, reason, text)
+                logprob = message.logprobs[i] if message.logprobs is not None else None
+                top = tuple(map(tuple, message.top_logprobs[i])) if message.top_logprobs is not None else ()
+                yield replace(event, logprob=logprob, top_logprobs=top,  # type: ignore[arg-type]
+                              cached_tokens=message.cached_tokens if i == 0 else None)
 
 
 class RoutedStream:

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from llm_core import SamplingParams
+from llm_core.grammar import GrammarSpec
 from llm_core.kv_events import EventBatch, KVEvent, Medium
 
 __all__ = [
@@ -34,7 +35,7 @@ __all__ = [
     "SnapshotRequest", "SpanSpec", "Submit", "Tokens", "WorkerPong", "decode", "encode",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class ProtocolError(ValueError):
@@ -54,16 +55,25 @@ class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
     seed: int | None
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: int | None
+    grammar: tuple[str, str] | None  # (kind, source)
 
     @classmethod
     def of(cls, params: SamplingParams) -> SamplingSpec:
+        grammar = (params.grammar.kind, params.grammar.source) if params.grammar is not None else None
         return cls(params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
-                   tuple(params.stop_token_ids), params.ignore_eos)
+                   tuple(params.stop_token_ids), params.ignore_eos, params.presence_penalty,
+                   params.frequency_penalty, params.repetition_penalty, params.logprobs, grammar)
 
     def params(self) -> SamplingParams:
         """Checked again on the worker: it trusts no peer's values."""
+        grammar = GrammarSpec(*self.grammar) if self.grammar is not None else None  # type: ignore[arg-type]
         return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed,
-                              self.stop_token_ids, self.ignore_eos)
+                              self.stop_token_ids, self.ignore_eos, self.presence_penalty, self.frequency_penalty,
+                              self.repetition_penalty, self.logprobs, grammar)
 
 
 class SpanSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -135,6 +145,10 @@ class Tokens(_Msg):
     request_id: str
     tokens: list[int]
     finish_reason: str | None  # set with the request's last tokens
+    # With SamplingParams.logprobs: per token, its logprob and its top (token, logprob) pairs.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    cached_tokens: int | None = None  # with the request's first tokens
 
 
 class Failed(_Msg):

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api.engine_loop import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed
+from api.engine_loop import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
 from api.metrics import ServerMetrics
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
@@ -190,7 +190,7 @@ class WorkerService:
             try:
                 await self._send(identity, m.Admitted(rid))
                 async for event in stream:
-                    await self._send(identity, m.Tokens(rid, [event.token], event.finish_reason))
+                    await self._send(identity, _tokens_message(rid, event))
             except (RequestFailed, EngineUnavailable) as exc:
                 await self._send(identity, m.Failed(rid, 500 if isinstance(exc, RequestFailed) else 503, str(exc)))
             finally:
@@ -276,3 +276,10 @@ async def run_worker(config: WorkerConfig) -> None:
     service = await asyncio.to_thread(WorkerService, config)  # loading the weights does not block the loop
     log.info("worker %s loaded in %.1f s", config.worker_id, time.perf_counter() - started)
     await service.serve(stop)
+
+
+def _tokens_message(request_id: str, event: StreamEvent) -> m.Tokens:
+    if event.logprob is None:
+        return m.Tokens(request_id, [event.token], event.finish_reason, cached_tokens=event.cached_tokens)
+    return m.Tokens(request_id, [event.token], event.finish_reason, [event.logprob],
+                    [list(event.top_logprobs)], event.cached_tokens)
