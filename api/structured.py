@@ -20,14 +20,13 @@ from typing import Any, Literal, TypeAlias, cast
 from llguidance import LLMatcher, LLTokenizer
 
 from api.chat import BadRequest
-from llm_core.grammar import GrammarKind, GrammarSpec
+from llm_core.grammar import JSON_LAYOUT, GrammarKind, GrammarSpec, grammar_text
 
 __all__ = [
     "MAX_TOOLS",
     "ToolChoice",
     "grammar_for_response_format",
     "grammar_for_tool_choice",
-    "llguidance_grammar",
     "parse_tool_choice",
     "parse_tools",
 ]
@@ -43,20 +42,13 @@ _DEFINITION_KEYS = ("$defs", "definitions")
 ToolChoice: TypeAlias = Literal["none", "auto", "required"] | dict[str, Any]
 
 
-def llguidance_grammar(spec: GrammarSpec) -> str:
-    """The grammar text llguidance compiles for ``spec``."""
-    if spec.kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(spec.source)
-    if spec.kind == "json_object":
-        return LLMatcher.grammar_from_json_schema(_ANY_OBJECT)
-    if spec.kind == "lark":
-        return LLMatcher.grammar_from_lark(spec.source)
-    return LLMatcher.grammar_from_regex(spec.source)
-
-
 def _check_compiles(spec: GrammarSpec, field: str, tokenizer: LLTokenizer | None) -> None:
     # Without a tokenizer llguidance still checks the grammar itself, which is most of what can go wrong.
-    error = LLMatcher.validate_grammar(llguidance_grammar(spec), tokenizer)
+    try:
+        text = grammar_text(spec)
+    except ValueError as exc:
+        raise BadRequest(f"{field!r} cannot be enforced: {exc}") from None
+    error = LLMatcher.validate_grammar(text, tokenizer)
     if error:
         raise BadRequest(f"{field!r} cannot be enforced: {error.strip()}")
 
@@ -231,6 +223,7 @@ def _call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
         "properties": {"name": {"const": function["name"]}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        "x-guidance": JSON_LAYOUT,
         **definitions,
     }
 

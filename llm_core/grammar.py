@@ -8,6 +8,7 @@ travels between processes and is checked again where it is compiled.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -15,8 +16,8 @@ from typing import Any, Literal
 import numpy as np
 
 __all__ = [
-    "GRAMMAR_KINDS", "GrammarCompiler", "GrammarKind", "GrammarMatcher", "GrammarSpec", "MAX_GRAMMAR_CHARS",
-    "allows",
+    "GRAMMAR_KINDS", "JSON_LAYOUT", "GrammarCompiler", "GrammarKind", "GrammarMatcher", "GrammarSpec",
+    "MAX_GRAMMAR_CHARS", "allows", "grammar_text",
 ]
 
 GrammarKind = Literal["json_schema", "json_object", "lark", "regex"]
@@ -34,6 +35,9 @@ class GrammarSpec:
 
     kind: GrammarKind
     source: str = ""
+    # Non-empty: the output first runs free up to and including this text (a
+    # reasoning section's end, "</think>"), and the grammar holds after it.
+    after: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -44,6 +48,8 @@ class GrammarSpec:
             raise ValueError(f"a grammar of {len(self.source)} characters is too long (at most {MAX_GRAMMAR_CHARS})")
         if self.kind != "json_object" and not self.source:
             raise ValueError(f"a {self.kind} grammar needs its source")
+        if not isinstance(self.after, str) or len(self.after) > 64:
+            raise ValueError("a grammar's 'after' text must be a string of at most 64 characters")
 
 
 class GrammarCompiler:
@@ -88,7 +94,7 @@ class GrammarCompiler:
         import llguidance
 
         try:
-            text = _grammar_text(spec)
+            text = grammar_text(spec)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise ValueError(f"the {spec.kind} grammar is invalid: {exc}") from None
         error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
@@ -102,7 +108,8 @@ class GrammarCompiler:
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer, self.compile(spec))
+        # log_level 0: a refused token is reported through is_error(), not printed.
+        matcher = llguidance.LLMatcher(self.tokenizer, self.compile(spec), log_level=0)
         if matcher.is_error():
             raise ValueError(f"the {spec.kind} grammar is invalid: {matcher.get_error()}")
         return GrammarMatcher(matcher)
@@ -113,14 +120,18 @@ _MAX_CACHED_GRAMMARS = 256
 
 # JSON as json.dumps writes it ({"a": 1, "b": [2, 3]}): free whitespace lets a
 # sampled model wander through tabs and newlines the schema never meant.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _grammar_text(spec: GrammarSpec) -> str:
+def grammar_text(spec: GrammarSpec) -> str:
+    """The grammar llguidance compiles for ``spec`` (ValueError where the source is not one)."""
     import llguidance
 
+    if spec.after:
+        return llguidance.LLMatcher.grammar_from_lark(_after_free_text(spec))
+
     if spec.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_LAYOUT)
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
     if spec.kind == "json_schema":
         try:
             schema = json.loads(spec.source)
@@ -128,10 +139,30 @@ def _grammar_text(spec: GrammarSpec) -> str:
             raise ValueError(f"the schema is not JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("a JSON schema must be an object")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     if spec.kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(spec.source)
     return llguidance.LLMatcher.grammar_from_regex(spec.source)
+
+
+def _after_free_text(spec: GrammarSpec) -> str:
+    """A Lark grammar: free text up to ``spec.after`` (taken too), optional
+    newlines, then ``spec``'s own grammar."""
+    import llguidance
+
+    if spec.kind == "json_object":
+        body = f"swallow_body: %json {json.dumps({'type': 'object', 'x-guidance': JSON_LAYOUT})}\n"
+    elif spec.kind == "json_schema":
+        schema = json.loads(spec.source)
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
+        body = f"swallow_body: %json {json.dumps(schema)}\n"
+    elif spec.kind == "regex":
+        body = f"swallow_body: /{llguidance.regex_to_lark(spec.source)}/\n"
+    else:  # its start rule becomes ours to follow the free text
+        body = re.sub(r"^(\s*)start(?=\s*(\[[^\]]*\])?\s*:)", r"\1swallow_body", spec.source, flags=re.MULTILINE)
+    return (f'start: swallow_free "\\n"* swallow_body\n'
+            f"swallow_free[stop={json.dumps(spec.after)}]: /(.|\\n)*/\n{body}")
 
 
 class GrammarMatcher:
