@@ -22,12 +22,13 @@ import base64
 import binascii
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from api.uploads import SNIFF_BYTES, DeclaredType, StoredFile, declared_type, refusal_for_unrecognised, sniff_media_kind
 from llm_core import SamplingParams
+from llm_core.sampling import MAX_TOP_LOGPROBS
 
 __all__ = [
     "BadRequest",
@@ -43,7 +44,10 @@ __all__ = [
     "require_unicode",
 ]
 
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Choices per request: each is a decode of its own (the prompt is computed once).
+MAX_CHOICES = 16
 
 # Far beyond any count, id or seed (2**64 has 20 digits), and under Python's own 4300-digit
 # limit, whose message would speak to the server's operator rather than to the client.
@@ -114,6 +118,16 @@ class ChatRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    tools: list[dict[str, Any]] = field(default_factory=list)  # offered to the model (by the chat template)
+    tool_choice: Any = "none"  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    thinking: bool = False  # the chat template opens a reasoning section
+    n: int = 1
+    top_logprobs: int | None = None  # None: no logprobs
+
+    @property
+    def template_variables(self) -> dict[str, Any]:
+        """What the chat template reads besides the messages."""
+        return {"tools": self.tools or None, "enable_thinking": self.thinking}
 
 
 FileLookup = Callable[[str], StoredFile | None]
@@ -127,18 +141,76 @@ def parse_chat_request(body: Any, lookup_file: FileLookup) -> ChatRequest:
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
         raise BadRequest("'messages' must be a non-empty list")
-    if body.get("n", 1) != 1:
-        raise BadRequest("only n=1 is supported")
+    # api.structured reports its errors as this module's BadRequest.
+    from api.structured import grammar_for_response_format, grammar_for_tool_choice, parse_tool_choice, parse_tools
+
     media: list[MediaRef] = []
     messages = [_parse_message(i, m, media, lookup_file) for i, m in enumerate(raw_messages)]
+    tools = parse_tools(body.get("tools"))
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    thinking = parse_thinking(body)
+    grammar = grammar_for_tool_choice(tools, tool_choice, parse_bool(body, "parallel_tool_calls", True))
+    response_grammar = grammar_for_response_format(body.get("response_format"))
+    if grammar is not None and response_grammar is not None:
+        raise BadRequest("'response_format' cannot be combined with a 'tool_choice' that forces a tool call")
+    grammar = grammar or response_grammar
+    if grammar is not None and thinking:
+        grammar = replace(grammar, after=THINK_END)  # the reasoning runs free; the answer follows the grammar
+    top_logprobs = _chat_logprobs(body)
+    params = parse_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens"))
     return ChatRequest(
         messages=messages,
         media=media,
-        params=parse_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens")),
+        params=replace(params, grammar=grammar, logprobs=top_logprobs),
         stop=parse_stop(body.get("stop")),
         stream=parse_bool(body, "stream"),
         include_usage=parse_include_usage(body, default=True),
+        tools=tools if tool_choice != "none" else [],
+        tool_choice=tool_choice,
+        thinking=thinking,
+        n=parse_choices(body),
+        top_logprobs=top_logprobs,
     )
+
+
+THINK_END = "</think>"
+
+
+def parse_choices(body: Mapping[str, Any]) -> int:
+    n = _int(body.get("n", 1) if body.get("n") is not None else 1, "n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"'n' must be from 1 to {MAX_CHOICES}, got {n}")
+    return n
+
+
+def parse_thinking(body: Mapping[str, Any]) -> bool:
+    """Reasoning on or off: Xiaomi's ``"thinking": {"type": "enabled" | "disabled"}``,
+    or vLLM's ``"chat_template_kwargs": {"enable_thinking": bool}``; off by default."""
+    thinking = body.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "disabled"):
+            raise BadRequest("'thinking' must be {\"type\": \"enabled\"} or {\"type\": \"disabled\"}")
+        return kind == "enabled"
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return False
+    if not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object")
+    return parse_bool(kwargs, "enable_thinking", where="'chat_template_kwargs.enable_thinking'")
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat's ``logprobs`` (true/false) and ``top_logprobs`` (0-20, needs logprobs)."""
+    top = body.get("top_logprobs")
+    if not parse_bool(body, "logprobs"):
+        if top is not None:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true")
+        return None
+    top = 0 if top is None else _int(top, "top_logprobs")
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"'top_logprobs' must be from 0 to {MAX_TOP_LOGPROBS}, got {top}")
+    return top
 
 
 def parse_include_usage(body: Mapping[str, Any], default: bool) -> bool:
@@ -180,9 +252,16 @@ def parse_sampling(body: Mapping[str, Any], max_tokens_keys: tuple[str, ...] = (
             seed=None if body.get("seed") is None else _int(body["seed"], "seed"),
             stop_token_ids=tuple(_int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
             ignore_eos=parse_bool(body, "ignore_eos"),
+            presence_penalty=_float(_or(body.get("presence_penalty"), 0.0), "presence_penalty"),
+            frequency_penalty=_float(_or(body.get("frequency_penalty"), 0.0), "frequency_penalty"),
+            repetition_penalty=_float(_or(body.get("repetition_penalty"), 1.0), "repetition_penalty"),
         )
     except (TypeError, ValueError) as exc:
         raise BadRequest(str(exc)) from exc
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def parse_stop(stop: Any) -> tuple[str, ...]:
@@ -225,13 +304,50 @@ def _parse_message(i: int, message: Any, media: list[MediaRef], lookup: FileLook
     role = message.get("role")
     if role not in _ROLES:
         raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}")
+    if role == "developer":  # OpenAI's newer name for the system role
+        role = "system"
     content = message.get("content")
+    out: dict[str, Any] = {"role": role}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        out["tool_calls"] = _parse_tool_calls(i, message["tool_calls"])
+        if content is None:
+            content = ""
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise BadRequest(f"messages[{i}].tool_call_id must be the id of the tool call it answers")
+        out["tool_call_id"] = call_id
     if isinstance(content, str):
-        return {"role": role, "content": require_unicode(content, f"messages[{i}].content")}
+        return out | {"content": require_unicode(content, f"messages[{i}].content")}
     if not isinstance(content, list):
         raise BadRequest(f"messages[{i}].content must be a string or a list of content parts")
     parts = [_parse_part(f"messages[{i}].content[{j}]", p, role, media, lookup) for j, p in enumerate(content)]
-    return {"role": role, "content": parts}
+    if role == "tool":  # a tool's result is text: its parts are joined
+        return out | {"content": "".join(p["text"] for p in parts)}
+    return out | {"content": parts}
+
+
+def _parse_tool_calls(i: int, raw: Any) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls, for the chat template: OpenAI's
+    shape, with ``arguments`` parsed into an object (as Hugging Face templates expect)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list):
+        raise BadRequest(f"{where} must be an array")
+    calls = []
+    for j, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRequest(f"{where}[{j}] must be a function call with a 'function.name'")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            arguments = parse_json_body(arguments or "{}", f"{where}[{j}].function.arguments")
+        if not isinstance(arguments, dict):
+            raise BadRequest(f"{where}[{j}].function.arguments must be a JSON object")
+        call_id = call.get("id")
+        calls.append({"id": call_id if isinstance(call_id, str) else "", "type": "function",
+                      "function": {"name": require_unicode(function["name"], f"{where}[{j}].function.name"),
+                                   "arguments": arguments}})
+    return calls
 
 
 def _parse_part(

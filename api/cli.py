@@ -272,6 +272,10 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-upload-mb", type=float, default=512.0, help="largest upload or request body")
     group.add_argument("--spool-dir", help="where uploads are written (default: a temporary directory)")
     group.add_argument("--max-pending-requests", type=int, default=256, help="beyond this, new requests get 429")
+    group.add_argument("--reasoning-parser", help="split <think> reasoning into reasoning_content: 'mimo' or "
+                       "'none' (default: the checkpoint's own)")
+    group.add_argument("--tool-call-parser", help="parse tool calls from the output: 'mimo' or 'none' "
+                       "(default: the checkpoint's own)")
 
 
 def add_embedding_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -290,6 +294,8 @@ def server_options(args: argparse.Namespace) -> Any:  # -> api.runtime.ServerOpt
         max_pending_requests=args.max_pending_requests,
         embedding_cache_bytes=int(getattr(args, "embedding_cache_mib", 256.0) * (1 << 20)),
         embedding_cache_name=getattr(args, "embedding_cache_name", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
     )
 
 

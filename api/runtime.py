@@ -39,6 +39,9 @@ class ServerOptions:
     embedding_cache_bytes: int = 256 << 20
     # Processes on one machine that name the same store share embeddings.
     embedding_cache_name: str | None = None
+    # Output parsers by name ("mimo", or "none"); None: the checkpoint's own (config.json model_type).
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
 
 def media_config(model_dir: Path, limits: MediaLimits) -> MediaEmbedderConfig:

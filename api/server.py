@@ -18,7 +18,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,12 @@ from api.chat import (
     BadRequest, ChatRequest, MediaRef, UnsupportedMedia, parse_bool, parse_chat_request, parse_include_usage,
     parse_json_body, parse_sampling, parse_stop, require_unicode,
 )
+from api.chat_output import ChoiceDelta, ChoiceOutput, OutputOptions
 from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
 from api.frontend import Frontend, MediaEmbedding
 from api.metrics import ServerMetrics
 from api.openapi import openapi_document
+from api.output_parsers import resolve_parser
 from api.textstream import TextStream
 from api.uploads import (
     FileStore, MultipartForm, StoredFile, UploadError, format_size, parse_multipart, refuse_declared_oversize,
@@ -149,6 +151,11 @@ class ChatService:
     def __init__(self, model: Frontend, metrics: ServerMetrics) -> None:
         self.model = model
         self.metrics = metrics
+        model_type = _model_type(model.model_dir)
+        options = model.options
+        self.reasoning_parser = resolve_parser("reasoning", options.reasoning_parser, model_type)
+        self.tool_parser = resolve_parser("tool_call", options.tool_call_parser, model_type)
+        self._token_texts: dict[int, str] = {}
 
     async def embed(self, ref: MediaRef) -> MediaEmbedding:
         embedder = self.model.embedder
@@ -165,7 +172,8 @@ class ChatService:
         messages, refs = await self._with_sound_tracks(request.messages, request.media)
         embeddings = await asyncio.gather(*(self.embed(ref) for ref in refs))
         media = [MediaPart(ref.kind, emb.tensor, emb.key, emb.rows) for ref, emb in zip(refs, embeddings)]
-        built = build_chat_prompt(self.model.chat_template, tokenizer, messages, media, self.model.placeholder_ids)
+        built = build_chat_prompt(self.model.chat_template, tokenizer, messages, media, self.model.placeholder_ids,
+                                  request.template_variables)
         self.model.check_length(len(built.token_ids), request.params.max_tokens)
         return built.token_ids, built.spans
 
@@ -217,59 +225,132 @@ class ChatService:
         stream = await self.model.engine.open(prompt_ids, params, spans, text)
         return Generation(stream, len(prompt_ids), started)
 
-    async def tokens(self, gen: Generation) -> AsyncIterator[tuple[str, str | None, list[int]]]:
-        """(text delta, finish reason or None, the tokens so far), with timing metrics."""
-        tokens: list[int] = []
+    async def open_choices(self, request: ChatRequest, prompt_ids: list[int],
+                           spans: list[MultimodalSpan | SpanRef]) -> list[Generation]:
+        """The request's ``n`` choices, admitted. The first is prefilled alone;
+        the others start once its prompt is cached, so the prompt is computed
+        once and each further choice only decodes. A seeded request's choice i
+        draws with seed + i."""
+        first = await self.open(prompt_ids, request.params, spans, request.stop)
+        if request.n == 1:
+            return [first]
+        gens = [first]
+        try:
+            gens[0] = await first.peeked()  # its first token: the prefill is done and cached
+            for i in range(1, request.n):
+                seed = request.params.seed
+                params = replace(request.params, seed=None if seed is None else (seed + i) % (1 << 64))
+                gens.append(await self.open(prompt_ids, params, spans, request.stop))
+        except BaseException:
+            for gen in gens:
+                await gen.stream.aclose()
+            raise
+        return gens
+
+    async def events(self, gen: Generation) -> AsyncIterator[StreamEvent]:
+        """The generation's events, with timing metrics."""
+        count = 0
         last = gen.started
         try:
             async for event in gen.stream:
                 now = time.perf_counter()
-                if not tokens:
+                if not count:
                     self.metrics.observe_ttft(now - gen.started)
                 else:
                     self.metrics.observe_inter_token(now - last)
                 last = now
-                tokens.append(event.token)
-                yield event.text, event.finish_reason, tokens
+                count += 1
+                yield event
                 if event.finish_reason is not None:
-                    self.metrics.count_tokens(gen.num_prompt_tokens, len(tokens))
+                    self.metrics.count_tokens(gen.num_prompt_tokens, count)
                     return
         finally:
             await gen.stream.aclose()  # a reader that stops early aborts the request at once, not at GC
 
-    async def complete(self, request: ChatRequest, gen: Generation) -> dict:
-        content, finish, tokens = "", None, []
-        async for delta, finish, tokens in self.tokens(gen):
-            content += delta
-        n = len(tokens)
+    async def tokens(self, gen: Generation) -> AsyncIterator[tuple[str, str | None, list[int]]]:
+        """(text delta, finish reason or None, the tokens so far)."""
+        tokens: list[int] = []
+        async for event in self.events(gen):
+            tokens.append(event.token)
+            yield event.text, event.finish_reason, tokens
+
+    def output(self, request: ChatRequest) -> ChoiceOutput:
+        options = OutputOptions(
+            reasoning_parser=self.reasoning_parser,
+            thinking_open=request.thinking,
+            tool_parser=self.tool_parser if request.tools else None,
+            tool_names=frozenset(tool["function"]["name"] for tool in request.tools),
+            top_logprobs=request.top_logprobs,
+        )
+        return ChoiceOutput(options, self.token_text)
+
+    def token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            tokenizer = self.model.tokenizer
+            text = tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else str(token)
+            self._token_texts[token] = text
+        return text
+
+    async def complete(self, request: ChatRequest, gens: list[Generation]) -> dict:
+        async def one(gen: Generation) -> tuple[ChoiceOutput, str | None]:
+            output, finish = self.output(request), None
+            async for event in self.events(gen):
+                output.feed(event)
+                finish = event.finish_reason
+            return output, output.finish_reason(finish)
+
+        try:
+            results = await _gather_or_cancel([one(gen) for gen in gens])
+        finally:
+            for gen in gens:
+                await gen.stream.aclose()
+        choices = [{"index": i, "message": output.message(), "finish_reason": finish, "logprobs": output.logprobs()}
+                   for i, (output, finish) in enumerate(results)]
+        outputs = [output for output, _ in results]
         return _chat_envelope(self.model.name, "chat.completion") | {
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content},
-                    "finish_reason": finish,
-                    "logprobs": None,
-                }
-            ],
-            "usage": _usage(gen.num_prompt_tokens, n),
+            "choices": choices, "usage": _chat_usage(gens[0].num_prompt_tokens, outputs),
         }
 
-    async def stream(self, request: ChatRequest, gen: Generation) -> AsyncIterator[str]:
+    async def stream(self, request: ChatRequest, gens: list[Generation]) -> AsyncIterator[str]:
         envelope = _chat_envelope(self.model.name, "chat.completion.chunk")
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
-        yield _sse(envelope | {"choices": [first]})
-        tokens: list[int] = []
+        for i in range(len(gens)):
+            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                     "logprobs": None}
+            yield _sse(envelope | {"choices": [first]})
+        outputs = [self.output(request) for _ in gens]
+        queue: asyncio.Queue[tuple[int, ChoiceDelta, str | None] | None] = asyncio.Queue()
+
+        async def pump(i: int, gen: Generation) -> None:
+            output = outputs[i]
+            async for event in self.events(gen):
+                delta = output.feed(event)
+                if not delta.empty or event.finish_reason is not None:
+                    await queue.put((i, delta, output.finish_reason(event.finish_reason)))
+
+        async def run_all() -> None:
+            try:
+                await _gather_or_cancel([pump(i, gen) for i, gen in enumerate(gens)])
+            finally:
+                await queue.put(None)
+
+        runner = asyncio.ensure_future(run_all())
         try:
-            async for delta, finish, tokens in self.tokens(gen):
-                if not delta and finish is None:
-                    continue
-                choice = {"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish,
-                          "logprobs": None}
+            while (item := await queue.get()) is not None:
+                i, delta, finish = item
+                logprobs = {"content": delta.logprobs} if request.top_logprobs is not None else None
+                choice = {"index": i, "delta": delta.as_delta(), "finish_reason": finish, "logprobs": logprobs}
                 yield _sse(envelope | {"choices": [choice]})
+            await runner
         except (RequestFailed, EngineUnavailable) as exc:
             yield _sse_error(exc)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+            for gen in gens:
+                await gen.stream.aclose()
         if request.include_usage:
-            yield _sse(envelope | {"choices": [], "usage": _usage(gen.num_prompt_tokens, len(tokens))})
+            yield _sse(envelope | {"choices": [], "usage": _chat_usage(gens[0].num_prompt_tokens, outputs)})
         yield "data: [DONE]\n\n"
 
 
@@ -280,12 +361,47 @@ class Generation:
     stream: AsyncGenerator[StreamEvent, None]
     num_prompt_tokens: int
     started: float
+    worker_id: str | None = None  # which worker serves it, where a router chose one (the stack)
 
     @property
     def headers(self) -> dict[str, str]:
-        """Which worker serves it, where a router chose one (the stack)."""
-        worker = getattr(self.stream, "worker_id", None)
+        worker = self.worker_id or getattr(self.stream, "worker_id", None)
         return {"x-swallow-worker": worker} if worker else {}
+
+    async def peeked(self) -> Generation:
+        """This generation once its first event has arrived (the same events, from the first)."""
+        first = await self.stream.__anext__()
+        worker = self.worker_id or getattr(self.stream, "worker_id", None)
+        return Generation(_prepend(first, self.stream), self.num_prompt_tokens, self.started, worker)
+
+
+async def _prepend(first: StreamEvent, rest: AsyncGenerator[StreamEvent, None]) -> AsyncGenerator[StreamEvent, None]:
+    try:
+        yield first
+        if first.finish_reason is None:
+            async for event in rest:
+                yield event
+    finally:
+        await rest.aclose()
+
+
+def _model_type(model_dir: Path) -> str | None:
+    """config.json's ``model_type``: which output parsers the checkpoint calls for."""
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _chat_usage(prompt_tokens: int, outputs: list[ChoiceOutput]) -> dict[str, Any]:
+    """OpenAI's usage: the prompt counted once, every choice's tokens, and the
+    prompt tokens the prefix cache served (the first choice's; the others reuse
+    the first's prefill)."""
+    cached = outputs[0].cached_tokens if outputs else None
+    return _usage(prompt_tokens, sum(o.num_tokens for o in outputs)) | {
+        "prompt_tokens_details": {"cached_tokens": cached or 0},
+    }
 
 
 async def _false() -> bool:
@@ -515,11 +631,11 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
             prompt_ids, spans = await _until_disconnected(request, chat.prompt(parsed))
             if form is not None:
                 form.cleanup()  # embedded: the spooled media are no longer needed
-            gen = await _until_disconnected(request, chat.open(prompt_ids, parsed.params, spans, parsed.stop))
+            gens = await _until_disconnected(request, chat.open_choices(parsed, prompt_ids, spans))
+            headers = gens[0].headers
             if parsed.stream:
-                return StreamingResponse(chat.stream(parsed, gen), media_type="text/event-stream",
-                                         headers=gen.headers)
-            return JSONResponse(await _until_disconnected(request, chat.complete(parsed, gen)), headers=gen.headers)
+                return StreamingResponse(chat.stream(parsed, gens), media_type="text/event-stream", headers=headers)
+            return JSONResponse(await _until_disconnected(request, chat.complete(parsed, gens)), headers=headers)
 
         try:
             return await guarded(request, handle)

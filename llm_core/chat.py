@@ -142,14 +142,16 @@ def build_chat_prompt(
     messages: Sequence[Mapping[str, Any]],
     media: Sequence[MediaPart],
     placeholder_ids: Mapping[str, int],
+    variables: Mapping[str, Any] | None = None,
 ) -> ChatPrompt:
     """Render, tokenise, and expand placeholders.
 
     ``messages`` use OpenAI roles; content is a string or a list of parts
     ``{"type": "text", "text": ...}`` / ``{"type": "image"|"video"|"audio"}``,
-    the media parts in the same order as ``media``.
+    the media parts in the same order as ``media``. ``variables``: what else the
+    template reads (``tools``, ``enable_thinking``).
     """
-    ids = tokenizer.encode(template.render(messages))
+    ids = tokenizer.encode(template.render(messages, **(variables or {})))
     out, offsets = expand_placeholders(ids, [(p.kind, p.num_rows) for p in media], placeholder_ids)
     return ChatPrompt(out, [p.span(offset) for offset, p in zip(offsets, media)])
 
