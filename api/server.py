@@ -30,8 +30,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.chat import (
-    BadRequest, ChatRequest, MediaRef, UnsupportedMedia, parse_bool, parse_chat_request, parse_include_usage,
-    parse_json_body, parse_sampling, parse_stop, require_unicode,
+    BadRequest, ChatRequest, MediaRef, UnsupportedMedia, parse_bool, parse_chat_request, parse_choices,
+    parse_include_usage, parse_json_body, parse_sampling, parse_stop, require_unicode,
 )
 from api.chat_output import ChoiceDelta, ChoiceOutput, OutputOptions
 from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
@@ -47,6 +47,7 @@ from encoders import EncoderQueueFull
 from llm_core import MultimodalSpan, SamplingParams
 from llm_core.chat import ChatTemplateError, MediaPart, build_chat_prompt
 from llm_core.multimodal import SpanRef
+from llm_core.sampling import MAX_TOP_LOGPROBS
 from media import MediaError, has_audio_track
 
 __all__ = ["create_app", "error_response"]
@@ -482,26 +483,43 @@ class CompletionService:
         self.chat = chat
         self.model = chat.model
 
-    def parse(self, body: Any) -> tuple[list[list[int]], SamplingParams, tuple[str, ...], bool, bool]:
+    def parse(self, body: Any) -> CompletionRequest:
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
-        if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
-            raise BadRequest("only n=1 and best_of=1 are supported")
+        n = parse_choices(body)
+        if body.get("best_of") is not None and body.get("best_of") != n:
+            raise BadRequest("'best_of' is not supported beyond 'n' (every choice is returned)")
         params = parse_sampling(body | {"max_tokens": body.get("max_tokens", 16)})
+        logprobs = body.get("logprobs")
+        if logprobs is not None:
+            if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+                raise BadRequest(f"'logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {logprobs!r}")
+            params = replace(params, logprobs=logprobs)
         stop = parse_stop(body.get("stop"))
         if stop and self.model.tokenizer is None:
             raise BadRequest("'stop' strings need a model with a tokenizer; use stop_token_ids")
         prompts = [self.model.encode_prompt(p) for p in _prompts(body.get("prompt"))]
         for ids in prompts:
             self.model.check_length(len(ids), params.max_tokens)
-        return prompts, params, stop, parse_bool(body, "stream"), parse_include_usage(body, default=False)
+        return CompletionRequest(prompts, params, stop, parse_bool(body, "stream"),
+                                 parse_include_usage(body, default=False), n)
 
-    async def open(self, prompts: list[list[int]], params: SamplingParams, stop: tuple[str, ...]) -> list[Generation]:
-        """Admit every prompt, or none: one refused closes those already admitted."""
+    async def open(self, request: CompletionRequest) -> list[Generation]:
+        """Admit every choice of every prompt (prompt i's choice j at i * n + j),
+        or none: one refused closes those already admitted. A prompt's further
+        choices start once its first has been prefilled, and reuse that prefill."""
         opened: list[Generation] = []
+        params = request.params
         try:
-            for ids in prompts:
-                opened.append(await self.chat.open(ids, params, [], stop))
+            for ids in request.prompts:
+                first = await self.chat.open(ids, params, [], request.stop)
+                opened.append(first)
+                if request.n == 1:
+                    continue
+                opened[-1] = await first.peeked()
+                for j in range(1, request.n):
+                    seed = None if params.seed is None else (params.seed + j) % (1 << 64)
+                    opened.append(await self.chat.open(ids, replace(params, seed=seed), [], request.stop))
         except BaseException:
             for gen in opened:
                 await gen.stream.aclose()
@@ -510,36 +528,46 @@ class CompletionService:
 
     async def _one(self, gen: Generation) -> dict[str, Any]:
         text, finish, tokens = "", None, []
-        async for delta, finish, tokens in self.chat.tokens(gen):
-            text += delta
-        return {"text": text, "finish_reason": finish, "token_ids": list(tokens)}
+        logprobs = _LegacyLogprobs(self.chat.token_text)
+        async for event in self.chat.events(gen):
+            logprobs.add(event, len(text))
+            text += event.text
+            finish = event.finish_reason
+            tokens.append(event.token)
+        return {"text": text, "finish_reason": finish, "token_ids": tokens, "logprobs": logprobs.as_dict()}
 
-    async def complete(self, gens: list[Generation]) -> dict:
+    async def complete(self, gens: list[Generation], n: int = 1) -> dict:
         try:
             results = await _gather_or_cancel([self._one(gen) for gen in gens])
         finally:
             for gen in gens:  # one failed: the others' work is this client's, and it gets an error
                 await gen.stream.aclose()
         choices = [
-            {"index": i, "text": r["text"], "token_ids": r["token_ids"], "logprobs": None,
+            {"index": i, "text": r["text"], "token_ids": r["token_ids"], "logprobs": r["logprobs"],
              "finish_reason": r["finish_reason"]}
             for i, r in enumerate(results)
         ]
         total = sum(len(r["token_ids"]) for r in results)
         return _completion_envelope(self.chat.model.name) | {
             "choices": choices,
-            "usage": _usage(sum(gen.num_prompt_tokens for gen in gens), total),
+            "usage": _usage(_prompt_tokens(gens, n), total),
         }
 
-    async def stream(self, gens: list[Generation], include_usage: bool) -> AsyncIterator[str]:
-        queue: asyncio.Queue[tuple[int, str, str | None, list[int]] | None] = asyncio.Queue()
+    async def stream(self, gens: list[Generation], include_usage: bool, n: int = 1) -> AsyncIterator[str]:
+        queue: asyncio.Queue[tuple[int, str, str | None, list[int], dict[str, Any] | None] | None] = asyncio.Queue()
 
         async def pump(i: int, gen: Generation) -> None:
-            sent = 0
-            async for delta, finish, tokens in self.chat.tokens(gen):
-                if delta or finish is not None:
-                    await queue.put((i, delta, finish, tokens[sent:]))
-                    sent = len(tokens)
+            tokens: list[int] = []
+            logprobs = _LegacyLogprobs(self.chat.token_text)
+            offset = 0
+            async for event in self.chat.events(gen):
+                tokens.append(event.token)
+                logprobs.add(event, offset)
+                offset += len(event.text)
+                if event.text or event.finish_reason is not None:
+                    await queue.put((i, event.text, event.finish_reason, tokens, logprobs.as_dict()))
+                    tokens = []
+                    logprobs = _LegacyLogprobs(self.chat.token_text)
 
         async def run_all() -> None:
             try:
@@ -551,9 +579,10 @@ class CompletionService:
         counts = [0] * len(gens)
         try:
             while (item := await queue.get()) is not None:
-                i, delta, finish, new_tokens = item
+                i, delta, finish, new_tokens, logprobs = item
                 counts[i] += len(new_tokens)
-                choice = {"index": i, "text": delta, "token_ids": new_tokens, "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "text": delta, "token_ids": new_tokens, "logprobs": logprobs,
+                          "finish_reason": finish}
                 yield _sse(_completion_envelope(self.chat.model.name) | {"choices": [choice]})
             await runner
         except (RequestFailed, EngineUnavailable) as exc:
@@ -564,7 +593,7 @@ class CompletionService:
             for gen in gens:
                 await gen.stream.aclose()
         if include_usage:
-            usage = _usage(sum(gen.num_prompt_tokens for gen in gens), sum(counts))
+            usage = _usage(_prompt_tokens(gens, n), sum(counts))
             yield _sse(_completion_envelope(self.chat.model.name) | {"choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
 
@@ -579,6 +608,47 @@ async def _gather_or_cancel(aws: list[Awaitable[Any]]) -> list[Any]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: list[list[int]]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    n: int = 1
+
+
+def _prompt_tokens(gens: list[Generation], n: int) -> int:
+    """Each prompt counted once, however many choices it has."""
+    return sum(gen.num_prompt_tokens for gen in gens[::n])
+
+
+class _LegacyLogprobs:
+    """/v1/completions' ``logprobs``: parallel lists of tokens, their logprobs,
+    their top alternatives ({token: logprob}) and where each starts in the text."""
+
+    def __init__(self, token_text: Callable[[int], str]) -> None:
+        self._token_text = token_text
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top_logprobs: list[dict[str, float]] = []
+        self.text_offset: list[int] = []
+
+    def add(self, event: StreamEvent, offset: int) -> None:
+        if event.logprob is None:
+            return
+        self.tokens.append(self._token_text(event.token))
+        self.token_logprobs.append(event.logprob)
+        self.top_logprobs.append({self._token_text(t): lp for t, lp in event.top_logprobs})
+        self.text_offset.append(offset)
+
+    def as_dict(self) -> dict[str, Any] | None:
+        if not self.tokens:
+            return None
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
 
 
 def _completion_envelope(model: str) -> dict[str, Any]:
@@ -646,11 +716,12 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
     async def text_completions(request: Request) -> Response:
         async def handle() -> Response:
             body = await _read_json(request, _JSON_BODY_LIMIT)
-            prompts, params, stop, stream, include_usage = completions.parse(body)
-            gens = await _until_disconnected(request, completions.open(prompts, params, stop))
-            if stream:
-                return StreamingResponse(completions.stream(gens, include_usage), media_type="text/event-stream")
-            return JSONResponse(await _until_disconnected(request, completions.complete(gens)))
+            parsed = completions.parse(body)
+            gens = await _until_disconnected(request, completions.open(parsed))
+            if parsed.stream:
+                return StreamingResponse(completions.stream(gens, parsed.include_usage, parsed.n),
+                                         media_type="text/event-stream")
+            return JSONResponse(await _until_disconnected(request, completions.complete(gens, parsed.n)))
 
         return await guarded(request, handle)
 

@@ -162,7 +162,7 @@ def _after_free_text(spec: GrammarSpec) -> str:
     else:  # its start rule becomes ours to follow the free text
         body = re.sub(r"^(\s*)start(?=\s*(\[[^\]]*\])?\s*:)", r"\1swallow_body", spec.source, flags=re.MULTILINE)
     return (f'start: swallow_free "\\n"* swallow_body\n'
-            f"swallow_free[stop={json.dumps(spec.after)}]: /(.|\\n)*/\n{body}")
+            f"swallow_free[suffix={json.dumps(spec.after)}]: /(.|\\n)*/\n{body}")
 
 
 class GrammarMatcher:
