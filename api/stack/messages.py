@@ -59,11 +59,12 @@ class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
     frequency_penalty: float
     repetition_penalty: float
     logprobs: int | None
-    grammar: tuple[str, str] | None  # (kind, source)
+    grammar: tuple[str, str, str] | None  # GrammarSpec's (kind, source, after)
 
     @classmethod
     def of(cls, params: SamplingParams) -> SamplingSpec:
-        grammar = (params.grammar.kind, params.grammar.source) if params.grammar is not None else None
+        g = params.grammar
+        grammar = (g.kind, g.source, g.after) if g is not None else None
         return cls(params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
                    tuple(params.stop_token_ids), params.ignore_eos, params.presence_penalty,
                    params.frequency_penalty, params.repetition_penalty, params.logprobs, grammar)

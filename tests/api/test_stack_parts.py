@@ -25,6 +25,7 @@ from api.stack.transport import bind_router, parse_peers, recv_message, resolve_
 from llm_core import SamplingParams
 from llm_core.kv_events import KVEventLog
 from llm_core.kv_tiers import FULL, SWA
+from llm_core.grammar import GrammarSpec
 from llm_core.router import CacheGeometry, Router, token_page_addresses
 
 
@@ -36,6 +37,10 @@ def test_every_message_round_trips() -> None:
         m.Ping(m.PROTOCOL_VERSION, "api-1", 1.5),
         m.Submit("r1", "inc", [1, 2, 3], [m.SpanSpec(1, 2, b"k" * 32)],
                  m.SamplingSpec.of(SamplingParams(max_tokens=3))),
+        m.Submit("r2", "inc", [1], [], m.SamplingSpec.of(SamplingParams(
+            max_tokens=3, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, logprobs=2,
+            grammar=GrammarSpec("json_schema", '{"type": "object"}', after="</think>")))),
+        m.Tokens("r2", [5], None, [-0.25], [[(5, -0.25), (9, -2.0)]], 12),
         m.Abort("r1"), m.Flush("t"), m.SnapshotRequest(), m.Admitted("r1"), m.Refused("r1", 400, "no"),
         m.Tokens("r1", [5, 6], "stop"), m.Failed("r1", 500, "boom"), m.KVEventsMsg.of("w", "inc", log.drain()),
         m.Flushed("t", {"a": 1}), m.EmbedMedia("e1", "video", "/spool/x.mp4", None), m.Embedded("e1", b"k", 4, True),
@@ -43,18 +48,22 @@ def test_every_message_round_trips() -> None:
     ]
     for message in samples:
         assert m.decode(m.encode(message)) == message
-    batch = m.decode(m.encode(samples[9])).batch()
+    batch = m.decode(m.encode(samples[11])).batch()
     assert batch.events[0].medium == "host" and batch.events[0].held == 7
 
 
 def test_frames_from_another_version_or_garbage_are_refused() -> None:
-    with pytest.raises(m.ProtocolError, match="version 2"):
-        m.decode(m.encode(m.Ping(2, "api", 0.0)))
+    with pytest.raises(m.ProtocolError, match=f"version {m.PROTOCOL_VERSION + 1}"):
+        m.decode(m.encode(m.Ping(m.PROTOCOL_VERSION + 1, "api", 0.0)))
     for frame in (b"", b"\x93\x01\x02\x03", msgspec.msgpack.encode({"__class__": "os.system"})):
         with pytest.raises(m.ProtocolError):
             m.decode(frame)
     with pytest.raises(ValueError):  # sampling values are checked again on the worker
-        m.SamplingSpec(0, 0.0, 1.0, -1, None, (), False).params()
+        m.SamplingSpec(0, 0.0, 1.0, -1, None, (), False, 0.0, 0.0, 1.0, None, None).params()
+    with pytest.raises(ValueError):
+        m.SamplingSpec(1, 0.0, 1.0, -1, None, (), False, 0.0, 0.0, 1.0, None, ("yaml", "a: 1", "")).params()
+    sent = SamplingParams(logprobs=3, presence_penalty=1.0, grammar=GrammarSpec("regex", "a+", after="</think>"))
+    assert m.decode(m.encode(m.Submit("r", "i", [1], [], m.SamplingSpec.of(sent)))).sampling.params() == sent
 
 
 # ----------------------------------------------------------------- addresses
