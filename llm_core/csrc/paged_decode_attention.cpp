@@ -24,7 +24,10 @@ constexpr int64_t kBlock = 32;  // keys per block: scores, then one vectorised p
 // the fraction through a degree-6 polynomial. Plain arithmetic, so a simd loop
 // vectorises it (std::exp does not without -ffast-math).
 inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -126.0f) * 1.4426950408889634f;
+  // Clamped in the base-2 domain: 2^-126 is the smallest normal float, so the
+  // exponent bits below stay valid (clamping x itself at -126 would let the
+  // exponent underflow into the sign bit: a huge negative "probability").
+  const float t = std::max(x * 1.4426950408889634f, -126.0f);
   const float whole = std::floor(t);
   const float f = t - whole;
   float p = 1.535336188319500e-4f;

@@ -109,6 +109,27 @@ def test_greedy_answers_match_the_embedded_server_and_transformers(stack: Runnin
     assert set(decisions) == {"worker-0", "worker-1"}, decisions
 
 
+def test_agent_fields_travel_through_the_stack(stack: RunningStack) -> None:
+    """Grammars, logprobs and n choices cross the process boundary intact."""
+    tool = {"type": "function", "function": {"name": "get_video_info", "parameters": {
+        "type": "object", "properties": {"property": {"type": "string", "enum": ["width", "height"]}},
+        "required": ["property"], "additionalProperties": False}}}
+    body = {"messages": [{"role": "user", "content": "How wide is the video?"}], "max_tokens": 80,
+            "temperature": 0, "tools": [tool], "tool_choice": "required", "logprobs": True, "top_logprobs": 2,
+            "n": 2, "presence_penalty": 0.5}
+    response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    for choice in answer["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert json.loads(call["function"]["arguments"])["property"] in ("width", "height")
+        entries = choice["logprobs"]["content"]
+        assert entries and all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 for e in entries)
+    assert "cached_tokens" in answer["usage"]["prompt_tokens_details"]
+
+
 def _long_stream(url: str, events: list[tuple[float, dict[str, Any] | str]], started: threading.Event) -> None:
     """A greedy stream that runs for seconds (EOS ignored), recording (time, event)."""
     body = {"messages": [{"role": "user", "content": "Describe the video."}], "max_tokens": 900,

@@ -105,6 +105,26 @@ def test_cpu_kernel_matches_the_torch_decode_path(page_size: int, window: int | 
     torch.testing.assert_close(half.float(), ref, atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_cpu_kernel_handles_scores_far_below_the_max(with_sinks: bool) -> None:
+    """Keys scoring ~100 to ~1000 below the best (peaky trained heads) weigh
+    nothing; they must never come out as garbage or NaN."""
+    from llm_core import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    kv_lens = [40, 70]
+    q, k_cache, v_cache, pages, sinks = make_decode_case(kv_lens, 4, 4, 2, 16, 8, with_sinks, seed=3)
+    q = q * 60.0  # scores spread over hundreds
+    if sinks is not None:
+        sinks = sinks * 200.0
+    kv_len, q_pos = torch.tensor(kv_lens), torch.tensor(kv_lens) - 1
+    ref = paged_decode_attention_torch(q, k_cache, v_cache, pages, 4, kv_len, q_pos, None, sinks)
+    out = cpu_attention.paged_decode_attention_cpu(q, k_cache, v_cache, pages, 4, kv_len, q_pos, None, sinks)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_engine_on_cpu_decodes_through_the_kernel_where_it_builds(hf_checkpoint) -> None:  # noqa: ANN001
     from llm_core import LLM, cpu_attention
     from llm_core.paged_attention import paged_decode_attention_torch as torch_path
