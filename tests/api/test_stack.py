@@ -116,7 +116,7 @@ def test_agent_fields_travel_through_the_stack(stack: RunningStack) -> None:
         "required": ["property"], "additionalProperties": False}}}
     body = {"messages": [{"role": "user", "content": "How wide is the video?"}], "max_tokens": 80,
             "temperature": 0, "tools": [tool], "tool_choice": "required", "logprobs": True, "top_logprobs": 2,
-            "n": 2, "presence_penalty": 0.5}
+            "n": 2, "presence_penalty": 0.5, "parallel_tool_calls": False}
     response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     answer = response.json()
