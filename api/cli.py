@@ -164,6 +164,12 @@ def _bench(args: argparse.Namespace) -> int:
         from api.bench_mtp import mtp_bench
 
         result = mtp_bench(args.model or DEMO_MODEL_DIR, repeats=args.repeats, speculative_tokens=args.speculative_tokens)
+    elif args.name == "structured":
+        from api.bench_structured import structured_bench
+
+        result = structured_bench(args.model or DEMO_MODEL_DIR, batch=args.structured_batch, repeats=args.repeats,
+                                  seed=args.seed, speculative_tokens=args.speculative_tokens,
+                                  log=lambda msg: print(msg, file=sys.stderr))
     elif args.name == "step":
         from llm_core.bench.step import step_bench
 
@@ -506,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
     bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load",
-                                        "step", "mtp", "tiers", "schedule", "router", "stack"])
+                                        "step", "mtp", "tiers", "schedule", "router", "stack", "structured"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv, step: model shape")
     bench.add_argument("--running", type=int, default=64, help="step: running requests")
@@ -569,9 +575,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tier-plot", help="prefix-cache: also sweep host tier sizes (no disk) and save a PNG here")
     bench.add_argument("--host-sweep", default="0,4e6,8e6,16e6,32e6,64e6,128e6,256e6",
                        help="prefix-cache: host tier sizes (tokens) for --tier-plot")
-    bench.add_argument("--model", help="load, mtp: checkpoint to serve (default: the demo model)")
+    bench.add_argument("--model", help="load, mtp, structured: checkpoint to serve (default: the demo model)")
     bench.add_argument("--speculative-tokens", type=int,
-                       help="mtp: drafts per step when on (default: one per MTP layer)")
+                       help="mtp, structured: drafts per step when on (default: one per MTP layer)")
+    bench.add_argument("--structured-batch", type=int, default=16, help="structured: requests decoded together")
     bench.add_argument("--levels", help="load: concurrency levels, comma-separated (default: 1,16,64,200)")
     bench.add_argument("--load-requests", type=int,
                        help="load: requests at every level (default: max(32, 2 x the highest level))")

@@ -167,6 +167,46 @@ class _GrammarMasks:
     drafts: list[int]  # each request's drafts its grammar takes
 
 
+class _DraftMasker:
+    """Grammar masks for the MTP pass, depth by depth: each constrained row's
+    grammar takes the row's earlier drafts (tentatively: ``rollback`` undoes
+    them), and the next depth's logits are masked to what it allows then. A
+    row whose draft ends the output, or that the grammar leaves, drafts freely
+    from there (verification refuses those drafts anyway)."""
+
+    def __init__(self, rows: list[tuple[int, GrammarMatcher]], words: int, ends: frozenset[int]) -> None:
+        self.rows = rows  # (index among the drafting rows, its grammar)
+        self.ends = ends
+        self.bits = np.full((len(rows), words), -1, dtype=np.int32)
+        self.taken = [0] * len(rows)
+        self.alive = [True] * len(rows)
+        self._index = torch.tensor([k for k, _ in rows])
+
+    def __call__(self, depth: int, logits: torch.Tensor, drafts: list[torch.Tensor]) -> torch.Tensor:
+        previous = drafts[-1][self._index.to(drafts[-1].device)].tolist() if depth else None
+        for r, (_, matcher) in enumerate(self.rows):
+            row = self.bits[r]
+            if previous is not None and self.alive[r]:
+                token = previous[r]
+                if token in self.ends or not allows(row, token) or not matcher.consume(token):
+                    self.alive[r] = False
+                else:
+                    self.taken[r] += 1
+                    self.alive[r] = not matcher.stopped
+            if self.alive[r]:
+                matcher.fill_mask(row)
+                if not row.any():
+                    self.alive[r] = False
+            if not self.alive[r]:
+                row.fill(-1)
+        return apply_token_mask(logits, self._index.to(logits.device), self.bits)
+
+    def rollback(self) -> None:
+        for (_, matcher), taken in zip(self.rows, self.taken):
+            matcher.rollback(taken)
+        self.taken = [0] * len(self.rows)
+
+
 def page_slots(pages: list[int], base_page: int, page_size: int, start: int, end: int) -> torch.Tensor:
     """Slots of positions [start, end) given the physical pages of logical
     pages base_page, base_page + 1, ... (vectorised: sequences are long)."""
@@ -632,7 +672,7 @@ class Engine:
             for k, i in enumerate(constrained):
                 num[i] = masks.drafts[k]
             rows = to_device(torch.tensor([i * width + j for i in constrained for j in range(width)]), logits.device)
-            logits = apply_token_mask(logits, rows, to_device(torch.from_numpy(masks.bits), logits.device))
+            logits = apply_token_mask(logits, rows, masks.bits)
         return logits, num
 
     def _grammar_masks(self, request_ids: list[int], drafts: list[list[int]], num: list[int],
@@ -724,13 +764,18 @@ class Engine:
             drafts = seq.request_id in decoding and room > 0
             targets.append(DraftTarget(seq, self._sampling_row(seq) if drafts else None,
                                        self._spans.get(seq.request_id, ())))
+        drafting_ids = [t.seq.request_id for t in targets if t.sampling is not None]
+        masker = self._draft_masker(drafting_ids)
         try:
-            result = self.drafter.run(targets)
+            result = self.drafter.run(targets, masker)
         except Exception as exc:  # noqa: BLE001 - drafts only speed decoding up: go on without them
             if self._device_lost():
                 raise EngineFault(f"the {self.device} device failed: {type(exc).__name__}: {exc}") from exc
             log.exception("the MTP draft pass failed; these requests go on without drafts")
             return
+        finally:
+            if masker is not None:
+                masker.rollback()
         if result is None:
             return
         sampled = result.plan.sampled_rows.tolist() if result.plan.sampled_rows is not None else []
@@ -741,6 +786,16 @@ class Engine:
             probs = result.probs[probs_row[i]] if result.probs is not None and i in probs_row else None
             self._drafts[seq.request_id] = (result.tokens[i], probs)
             seq.num_drafts = min(self.num_speculative, seq.max_tokens - len(seq.output) - 1)
+
+    def _draft_masker(self, drafting_ids: list[int]) -> _DraftMasker | None:
+        """Drafts drawn within the requests' grammars (those that have one):
+        a draft the grammar would refuse is never proposed, so the verify step
+        is not spent on it."""
+        rows = [(k, self._matchers[rid]) for k, rid in enumerate(drafting_ids) if rid in self._matchers]
+        if not rows:
+            return None
+        assert self.grammars is not None
+        return _DraftMasker(rows, self.grammars.words, frozenset(self.grammars.eos_ids))
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         sampling = self._sampling[seq.request_id]

@@ -104,8 +104,10 @@ class MTPDrafter:
         self.device = device
         self.forward = forward
 
-    def run(self, targets: list[DraftTarget]) -> Drafts | None:
-        """Run the pass; the drafts of the targets that sample, or None if none does."""
+    def run(self, targets: list[DraftTarget], constrain: DraftConstraint | None = None) -> Drafts | None:
+        """Run the pass; the drafts of the targets that sample, or None if none does.
+        ``constrain(depth, logits, drafts so far)`` may mask each depth's logits
+        (rows: the targets that sample, in order) before its drafts are drawn."""
         drafting = [i for i, t in enumerate(targets) if t.sampling is not None]
         plan = SamplingPlan.build([targets[i].sampling for i in drafting],  # type: ignore[misc]
                                   self.model.config.vocab_size, self.device) if drafting else None
@@ -120,6 +122,8 @@ class MTPDrafter:
             previous = (hidden, draft_row)
             if plan is not None:
                 logits = self.model.compute_logits(hidden[[draft_row[i] for i in drafting]])
+                if constrain is not None:
+                    logits = constrain(depth, logits, tokens)
                 drawn, q = draw_drafts(logits, plan, depth)
                 tokens.append(drawn)
                 if q is not None:
@@ -252,6 +256,10 @@ class MTPDrafter:
                                                                                            hi - span.offset]
             offset += r.end - r.first + 1
         return embeds
+
+
+# (depth, that depth's logits [drafting rows, vocab], the drafts of earlier depths) -> logits to draw from
+DraftConstraint = Callable[[int, torch.Tensor, list[torch.Tensor]], torch.Tensor]
 
 
 class SpeculativeStats:

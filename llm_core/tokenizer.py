@@ -18,10 +18,16 @@ _REPLACEMENT = "\ufffd"
 _MAX_PENDING = 4
 
 
+# Markup a checkpoint may declare special that the server's output parsers
+# read (MiMo's reasoning and tool-call tags): kept when special tokens are skipped.
+KEPT_MARKUP = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>"})
+
+
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         self._tok = _HFTokenizer.from_file(str(path))
-        self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        added = self._tok.get_added_tokens_decoder().items()
+        self._special_ids = frozenset(i for i, t in added if t.special and t.content not in KEPT_MARKUP)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> Tokenizer | None:
@@ -36,11 +42,13 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special_ids]
+        return self._tok.decode(list(ids), skip_special_tokens=False)
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """A decoder for tokens that arrive one at a time (a generated answer)."""
-        return StreamDecoder(lambda ids: self._tok.decode(ids, skip_special_tokens=skip_special_tokens),
+        return StreamDecoder(lambda ids: self.decode(ids, skip_special_tokens),
                              skip=self._special_ids if skip_special_tokens else frozenset())
 
     def token_to_id(self, token: str) -> int:

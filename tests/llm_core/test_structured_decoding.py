@@ -108,7 +108,9 @@ def test_token_mask_keeps_exactly_the_allowed_tokens() -> None:
     for r, tokens in enumerate(allowed[:2]):
         for t in tokens:
             bits[r, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
-    out = apply_token_mask(logits, torch.tensor([0, 1]), torch.from_numpy(bits))
+    out = apply_token_mask(logits, torch.tensor([0, 1]), bits)
+    everything = apply_token_mask(logits[:2], torch.tensor([0, 1]), bits)  # every row masked: the one-pass path
+    assert torch.equal(everything, out[:2])
     for r in range(2):
         finite = torch.isfinite(out[r]).nonzero().view(-1).tolist()
         assert finite == allowed[r]
