@@ -50,8 +50,8 @@ from api.runtime import ServingModel
 from api.server import ChatService
 from api.uploads import StoredFile, sniff_media_kind
 from llm_core import MultimodalSpan
-from llm_core.multimodal import SpanRef
 from llm_core.chat import MediaPart, expand_placeholders
+from llm_core.multimodal import SpanRef
 
 __all__ = ["ask", "ask_many", "eval_demo"]
 

@@ -11,6 +11,11 @@ the trained checkpoint answers through the normal serving path.
 ``init`` fine-tunes a trained checkpoint instead: the full mix of tasks and ways of
 asking (thinking, the tool listed, the tool's round trip) from the first step, the
 encoders frozen, so new skills are learnt while the old ones keep being practised.
+
+On cores shared with other work, run with ``OMP_WAIT_POLICY=PASSIVE`` in the
+environment (it is read when torch loads): OpenMP workers that spin wait out a
+whole scheduler slice for a descheduled peer at every op, which made fine-tuning
+steps ~15x slower here.
 """
 
 from __future__ import annotations
@@ -93,6 +98,9 @@ class TrainConfig:
     weight_decay: float = 0.01
     mtp_loss_weight: float = 0.3
     mtp_examples: int = 12  # examples per batch the MTP chain is trained on (longest answers first)
+    # A part of an answer this long or shorter weighs one per token; a longer part
+    # weighs this much in all (see _token_weights).
+    answer_tokens_weighed: int = 5
     # Stop early once every task's answers (teacher-forced, fresh samples) are this accurate.
     target_accuracy: float = 0.995
     accuracy_window: int = 400  # samples per task the running accuracy covers
@@ -110,9 +118,13 @@ class TrainConfig:
 def finetune_config(**overrides: object) -> TrainConfig:
     """The settings of ``train-demo --init``: from a trained checkpoint, a gentler
     learning rate, frozen encoders, and a budget of minutes rather than hours."""
-    # Half batches, twice the steps: the new skills are fixed texts, learnt per step.
-    base = {"batch_size": 16, "max_steps": 1500, "max_minutes": 18.0, "lr": 6e-4, "warmup_steps": 20,
-            "freeze_encoders": True, "target_accuracy": 1.0}
+    # Half batches, twice the steps: the new skills are mostly fixed texts, learnt per
+    # step. Their telling tokens (the property asked for, the digits of a result) sit
+    # in 10-30-token answers, so each answer token weighs one, as a one-word answer
+    # does: by now the templated tokens cost next to nothing. Drafts matter less than
+    # answers: the MTP chain runs on fewer examples.
+    base = {"batch_size": 16, "max_steps": 1500, "max_minutes": 18.0, "lr": 5e-4, "warmup_steps": 50,
+            "freeze_encoders": True, "target_accuracy": 1.0, "answer_tokens_weighed": 32, "mtp_examples": 6}
     return TrainConfig(**{**base, **overrides})  # type: ignore[arg-type]
 
 
@@ -158,7 +170,13 @@ def _dialogue_texts(seed: int) -> list[str]:
 
 
 def build_tokenizer(seed: int) -> HFTokenizer:
-    """Byte-level BPE over the demo language: its words become single tokens."""
+    """Byte-level BPE over the demo language (its words become single tokens), grown
+    for tools and thinking as a checkpoint from before them is when fine-tuned."""
+    return with_dialogue_vocabulary(base_tokenizer(seed), seed)
+
+
+def base_tokenizer(seed: int) -> HFTokenizer:
+    """Byte-level BPE over the earlier tasks' language: its words become single tokens."""
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -169,7 +187,7 @@ def build_tokenizer(seed: int) -> HFTokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(seed), trainer)
-    return with_dialogue_vocabulary(tokenizer, seed)
+    return tokenizer
 
 
 def with_dialogue_vocabulary(tokenizer: HFTokenizer, seed: int = 0) -> HFTokenizer:
@@ -533,14 +551,11 @@ class _Meter:
         return full and min(self.accuracy().values()) >= target
 
 
-ANSWER_TOKENS_WEIGHED = 5
-
-
-def _token_weights(ex: Example) -> list[float]:
+def _token_weights(ex: Example, weighed: int) -> list[float]:
     bounds = [*ex.part_starts, len(ex.ids)]
     weights: list[float] = []
     for start, end in itertools.pairwise(bounds):
-        weights += [1.0 / max(1.0, (end - start) / ANSWER_TOKENS_WEIGHED)] * (end - start)
+        weights += [1.0 / max(1.0, (end - start) / weighed)] * (end - start)
     return weights
 
 
@@ -554,12 +569,13 @@ def _loss(model: DemoModel, examples: list[Example], cfg: TrainConfig, meter: _M
     logits = model.llm.compute_logits(hidden[pred_pos])
     # A one-word answer's word is the signal, not to be drowned by long templated
     # descriptions: an answer's tokens share a weight of 1, or of their count up to
-    # ANSWER_TOKENS_WEIGHED. The templated tokens of a description are soon predicted
+    # cfg.answer_tokens_weighed. The templated tokens of a description are soon predicted
     # with ~zero loss, so its few telling words (colour, shape, direction) then carry
     # about as much weight each as a one-word answer.
     # A thinking answer's reasoning and its answer proper are weighed as two answers:
     # the one word that matters must not weigh less for a reasoning before it.
-    weights = torch.tensor([w for ex in examples for w in _token_weights(ex)]) / len(examples)
+    weights = torch.tensor([w for ex in examples for w in _token_weights(ex, cfg.answer_tokens_weighed)])
+    weights = weights / len(examples)
     loss = (F.cross_entropy(logits, targets, reduction="none") * weights).sum()
     # Teacher-forced exact match per example, for the convergence meter.
     hits = (logits.argmax(-1) == targets).tolist()
@@ -653,14 +669,14 @@ TASK_WEIGHTS: dict[str, float] = {
     "video_color": 0.5,
     # Three exchanges (the call, the answer from the result, no tool listed), the
     # reply copying numbers from the result.
-    "video_info": 3.0,
+    "video_info": 5.0,
 }
 # How a video_info question is asked: the tool listed and not called yet, its result
 # in, or no tool listed (the model must then never call one).
 TOOL_EXCHANGES: dict[Mode, float] = {
-    Mode(tools=True): 0.35,
+    Mode(tools=True): 0.4,
     Mode(tools=True, tool_result=True): 0.45,
-    Mode(): 0.2,
+    Mode(): 0.15,
 }
 # Before the last phase: colours carry the first signal through the vision path,
 # pitch needs few examples (drawn only from the last phase, one run never told high
@@ -679,10 +695,9 @@ def _task_probabilities(pool: Sequence[str]) -> np.ndarray:
     return weights / weights.sum()
 
 
-def draw_mode(task: str, rng: np.random.Generator, cfg: TrainConfig) -> Mode:
-    """How a sample of the full mix is asked: the other tasks mostly as before, some
-    with thinking, some with the tool listed (and the same answer)."""
-    thinking = bool(rng.random() < cfg.thinking_share)
+def draw_mode(task: str, rng: np.random.Generator, cfg: TrainConfig, thinking: bool) -> Mode:
+    """How a sample of the full mix is asked: the other tasks with the tool listed
+    now and then (and the same answer), the file questions in one of the exchanges."""
     if task == "video_info":
         modes = list(TOOL_EXCHANGES)
         weights = np.array(list(TOOL_EXCHANGES.values()))
@@ -705,12 +720,21 @@ def _batches(builder: ExampleBuilder, cfg: TrainConfig, clock: _Clock, curriculu
     step = 0
     while True:
         pool = task_pool(clock.progress(step)) if curriculum else TASKS
-        tasks = rng.choice(len(pool), size=cfg.batch_size, p=_task_probabilities(pool))
-        samples = [make_sample(rng, pool[int(t)]) for t in tasks]
         # Thinking and tools wait for the last phase: the early phases teach perception.
-        modes = [draw_mode(s.task, rng, cfg) if pool == TASKS else PLAIN for s in samples]
-        yield [builder.build(s, rng, m) for s, m in zip(samples, modes)]
+        draws = [_draw(rng, pool, cfg, full_mix=pool == TASKS) for _ in range(cfg.batch_size)]
+        yield [builder.build(make_sample(rng, task), rng, mode) for task, mode in draws]
         step += 1
+
+
+def _draw(rng: np.random.Generator, pool: Sequence[str], cfg: TrainConfig, full_mix: bool) -> tuple[str, Mode]:
+    """One example's task and way of asking. A thinking example's task is drawn
+    uniformly: each kind of question has its own reasoning to learn, however rarely
+    its answers need practice."""
+    if full_mix and rng.random() < cfg.thinking_share:
+        task = pool[int(rng.integers(len(pool)))]
+        return task, draw_mode(task, rng, cfg, thinking=True)
+    task = pool[int(rng.choice(len(pool), p=_task_probabilities(pool)))]
+    return task, draw_mode(task, rng, cfg, thinking=False) if full_mix else PLAIN
 
 
 @dataclass(frozen=True)
@@ -734,8 +758,9 @@ def _from_scratch(cfg: TrainConfig) -> _Start:
 def _from_checkpoint(init: Path, cfg: TrainConfig) -> _Start:
     """A trained demo checkpoint, its tokenizer grown for the dialogue skills (and the
     LLM given rows for the new tokens) if it was trained before them."""
-    hf_tokenizer = with_dialogue_vocabulary(HFTokenizer.from_file(str(init / "tokenizer.json")), cfg.seed)
-    llm = _grow_vocab(load_model(init), hf_tokenizer.get_vocab_size(), cfg.seed)
+    old_tokenizer = HFTokenizer.from_file(str(init / "tokenizer.json"))
+    hf_tokenizer = with_dialogue_vocabulary(HFTokenizer.from_str(old_tokenizer.to_str()), cfg.seed)
+    llm = _grow_vocab(load_model(init), _token_sources(old_tokenizer, hf_tokenizer), cfg.seed)
     encoders = load_encoders(init)
     vision, audio = encoders["vision"], encoders["audio"]
     assert isinstance(vision, VisionEncoder) and isinstance(audio, AudioEncoder)
@@ -744,18 +769,27 @@ def _from_checkpoint(init: Path, cfg: TrainConfig) -> _Start:
     return _Start(hf_tokenizer, llm.config, DemoModel(llm.train(), vision, audio))
 
 
-def _grow_vocab(llm: MiMoV2ForCausalLM, vocab_size: int, seed: int) -> MiMoV2ForCausalLM:
-    """A trainable copy of ``llm`` with ``vocab_size`` token rows: a new token's
-    embedding and output rows start near the average token's, apart by a little noise
-    so the new tokens can tell each other apart from the first step."""
+def _token_sources(old: HFTokenizer, new: HFTokenizer) -> list[list[int]]:
+    """For each token ``new`` has past ``old``'s vocabulary, the old tokens its text
+    was made of."""
+    start = old.get_vocab_size()
+    return [old.encode(new.decode([i], skip_special_tokens=False)).ids for i in range(start, new.get_vocab_size())]
+
+
+def _grow_vocab(llm: MiMoV2ForCausalLM, sources: Sequence[Sequence[int]], seed: int) -> MiMoV2ForCausalLM:
+    """A trainable copy of ``llm`` with a row for each new token (``sources``: the old
+    tokens it is made of). A new token's embedding and output rows start at the mean
+    of its pieces' -- "Ġframe" means what "Ġf r a m e" meant -- plus a little noise,
+    so no two new tokens start alike."""
     old = llm.config.vocab_size
-    config = dataclasses.replace(llm.config, vocab_size=vocab_size)
+    config = dataclasses.replace(llm.config, vocab_size=old + len(sources))
     state = llm.state_dict()
     generator = torch.Generator().manual_seed(seed + 3)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         rows = state[name]
-        noise = torch.randn(vocab_size - old, rows.shape[1], generator=generator) * rows.std(0) * 0.1
-        state[name] = torch.cat((rows, rows.mean(0) + noise))
+        means = torch.stack([rows[list(pieces)].mean(0) if pieces else rows.mean(0) for pieces in sources])
+        noise = torch.randn(means.shape, generator=generator) * rows.std(0) * 0.1
+        state[name] = torch.cat((rows, means + noise))
     grown = MiMoV2ForCausalLM(config)
     grown.load_state_dict(state)
     return grown.requires_grad_(True)
