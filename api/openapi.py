@@ -6,9 +6,14 @@ the context length bounds ``max_tokens``; only the media kinds the model has
 encoders for may appear in a chat message. Property-based tests
 (tests/api/test_openapi_fuzz.py) fuzz a live server from this document, so it
 must say exactly what the server accepts and answers, no more and no less.
+Rules between fields are said by the schema where JSON Schema can say them
+(``top_logprobs`` needs ``logprobs``; a forced ``tool_choice`` needs ``tools``
+and no JSON ``response_format``), by descriptions where it cannot (a named
+tool is one of the ``tools``, tool names are distinct, ``best_of`` equals
+``n``); breaking one is a 400.
 
 Request objects allow additional properties: like vLLM, the server ignores
-OpenAI fields it does not implement (``logprobs``, ``presence_penalty``, ...)
+OpenAI fields it does not implement (``logit_bias``, ``user``, ``metadata``, ...)
 instead of refusing clients that send them.
 """
 
@@ -17,8 +22,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from api.chat import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from llm_core.sampling import MAX_SEED, MAX_TEMPERATURE, MIN_SEED, MIN_TEMPERATURE
+from api.chat import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from api.structured import _NAME as _TOOL_NAME
+from api.structured import MAX_TOOLS
+from llm_core.sampling import (
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    MIN_SEED,
+    MIN_TEMPERATURE,
+)
 
 __all__ = ["CHAT_EXAMPLES", "COMPLETION_EXAMPLES", "OPENAPI_VERSION", "openapi_document"]
 
@@ -39,6 +54,10 @@ _ERRORS = {
 }
 # The engine's "error" finish never reaches a client: it becomes a 500 or an error event.
 _FINISH_REASONS = ["stop", "length"]
+# Chat's stop after tool calls is OpenAI's "tool_calls".
+_CHAT_FINISH_REASONS = [*_FINISH_REASONS, "tool_calls"]
+# Tool and response-format names, as api.structured checks them (JSON Schema patterns are unanchored).
+_TOOL_NAME_PATTERN = f"^{_TOOL_NAME.pattern}$"
 
 # Requests any served model answers with 200 (tests send each of them).
 CHAT_EXAMPLES = {
@@ -58,6 +77,50 @@ CHAT_EXAMPLES = {
         "seed": 7,
         "stop": ["\n\n"],
     },
+    # A closed object of one enum: even a random model finishes the call within max_tokens.
+    "forced tool call": {
+        "messages": [{"role": "user", "content": "Weather in Rome?"}],
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                           "required": ["city"], "additionalProperties": False},
+        }}],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 64,
+        "temperature": 0,
+    },
+    "tool result, two choices with logprobs": {
+        "messages": [
+            {"role": "developer", "content": "Use the tools."},
+            {"role": "user", "content": "Weather in Rome?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+            }]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C."},
+        ],
+        "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+        "tool_choice": "auto",
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "max_tokens": 8,
+        "seed": 3,
+        "stream": True,
+    },
+    "json schema after thinking, penalties": {
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "colour", "schema": {"type": "object", "properties": {"colour": {"type": "string"}}},
+        }},
+        "thinking": {"type": "enabled"},
+        "max_tokens": 16,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.2,
+    },
 }
 COMPLETION_EXAMPLES = {
     "text": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
@@ -68,6 +131,17 @@ COMPLETION_EXAMPLES = {
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
         "stop_token_ids": [2],
+    },
+    "two choices with logprobs": {
+        "prompt": "Once upon a time",
+        "max_tokens": 8,
+        "n": 2,
+        "best_of": 2,
+        "logprobs": 3,
+        "temperature": 0.8,
+        "seed": 1,
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.1,
     },
 }
 # Content part "type" per media kind the model may take.
@@ -183,9 +257,10 @@ def _object(properties: dict[str, Schema], required: Iterable[str] = (), **extra
     return schema
 
 
-def _closed_object(properties: dict[str, Schema], required: Iterable[str] = ()) -> Schema:
-    """A response object: every property always present, nothing else."""
-    return _object(properties, required or properties, additionalProperties=False)
+def _closed_object(properties: dict[str, Schema], required: Iterable[str] = (), **extra: Any) -> Schema:
+    """A response object: nothing but these properties, all of them always present unless ``required`` says
+    which are."""
+    return _object(properties, required or properties, additionalProperties=False, **extra)
 
 
 def _const(value: Any) -> Schema:
@@ -289,6 +364,8 @@ def _paths(media_kinds: list[str]) -> dict[str, Any]:
 def _schemas(vocab_size: int, max_model_len: int, media_kinds: list[str]) -> dict[str, Schema]:
     return {
         **_request_schemas(vocab_size, max_model_len, media_kinds),
+        **_message_schemas(media_kinds),
+        **_tool_request_schemas(),
         **_response_schemas(media_kinds),
     }
 
@@ -296,15 +373,10 @@ def _schemas(vocab_size: int, max_model_len: int, media_kinds: list[str]) -> dic
 def _request_schemas(vocab_size: int, max_model_len: int, media_kinds: list[str]) -> dict[str, Schema]:
     token_id = _int_range(0, vocab_size - 1)
     sampling = _sampling_properties(vocab_size, max_model_len, token_id)
-    chat_properties = {
-        "model": {"type": "string", "description": "Ignored: the server serves one model."},
-        "messages": {"type": "array", "minItems": 1, "items": _ref("Message")},
-        "max_completion_tokens": {**sampling["max_tokens"], "description": "Takes precedence over max_tokens."},
-        **sampling,
-        "n": _const(1),
-    }
+    model = {"type": "string", "description": "Ignored: the server serves one model."}
     return {
-        "ChatCompletionRequest": _object(chat_properties, ["messages"]),
+        "ChatCompletionRequest": _object(_chat_properties(model, sampling), ["messages"],
+                                         anyOf=_chat_field_dependencies()),
         "ChatCompletionMultipart": _object(
             {"request": _ref("ChatCompletionRequest")},
             ["request"],
@@ -314,14 +386,9 @@ def _request_schemas(vocab_size: int, max_model_len: int, media_kinds: list[str]
             ),
             **_other_form_fields({"type": "string", "contentMediaType": "application/octet-stream"}),
         ),
-        "Message": {"anyOf": [_ref("UserMessage"), _ref("OtherMessage")]},
-        "UserMessage": _message(["user"], _user_parts(media_kinds)),
-        "OtherMessage": _message(["system", "assistant"], [_ref("TextPart")]),
-        "TextPart": _part("text", {"type": "string"}),
-        **_media_part_schemas(media_kinds),
         "CompletionRequest": _object(
             {
-                "model": chat_properties["model"],
+                "model": model,
                 "prompt": {
                     "anyOf": [
                         {"type": "string", "minLength": 1},
@@ -330,12 +397,20 @@ def _request_schemas(vocab_size: int, max_model_len: int, media_kinds: list[str]
                         {"type": "array", "minItems": 1,
                          "items": {"type": "array", "minItems": 1, "items": token_id}},
                     ],
-                    "description": "Text, token ids, or a list of either: one completion each.",
+                    "description": "Text, token ids, or a list of either: n completions each.",
                 },
                 **sampling,
                 "max_tokens": {**sampling["max_tokens"], "default": 16},
-                "n": _const(1),
-                "best_of": _const(1),
+                "n": _choice_count(),
+                "best_of": {
+                    **_nullable(_int_range(1, MAX_CHOICES)),
+                    "description": "Only equal to n (or null): every choice is returned, none is held back.",
+                },
+                # The legacy form: a count of alternatives, where chat has a flag and top_logprobs.
+                "logprobs": {
+                    **_nullable(_int_range(0, MAX_TOP_LOGPROBS)),
+                    "description": "Each token's log-probability and its k most likely alternatives; null: none.",
+                },
             },
             ["prompt"],
         ),
@@ -349,6 +424,75 @@ def _request_schemas(vocab_size: int, max_model_len: int, media_kinds: list[str]
             **_other_form_fields({"type": "string", "description": "Ignored."}),
         ),
     }
+
+
+def _chat_properties(model: Schema, sampling: dict[str, Schema]) -> dict[str, Schema]:
+    """The chat request's fields: the shared sampling ones, then chat's own."""
+    nullable_bool = _nullable({"type": "boolean"})
+    return {
+        "model": model,
+        "messages": {"type": "array", "minItems": 1, "items": _ref("Message")},
+        "max_completion_tokens": {**sampling["max_tokens"], "description": "Takes precedence over max_tokens."},
+        **sampling,
+        "n": _choice_count(),
+        "logprobs": {**nullable_bool, "default": False,
+                     "description": "Each generated token's log-probability, in choices[].logprobs."},
+        "top_logprobs": {
+            **_nullable(_int_range(0, MAX_TOP_LOGPROBS)),
+            "description": "How many of the most likely alternatives each token lists (default 0); only with "
+                           "logprobs: true.",
+        },
+        "tools": {
+            **_nullable({"type": "array", "maxItems": MAX_TOOLS, "items": _ref("Tool")}),
+            "description": "Functions the model may call; their names must be distinct.",
+        },
+        "tool_choice": {
+            "anyOf": [{"enum": ["none", "auto", "required"]}, _ref("NamedToolChoice"), {"type": "null"}],
+            "description": (
+                "Default: auto with tools, none without. required (at least one call) and a named function (a "
+                "call to it) force tool calls: they need tools, the name must be one of them, and response_format "
+                "cannot then ask for JSON."
+            ),
+        },
+        "parallel_tool_calls": {**nullable_bool, "default": True,
+                                "description": "With a forced tool call: false allows exactly one call."},
+        "response_format": {
+            "anyOf": [_ref("TextFormat"), _ref("JsonObjectFormat"), _ref("JsonSchemaFormat"), {"type": "null"}],
+            "description": "JSON output, held to the schema if one is given; not with a tool_choice that forces "
+                           "tool calls.",
+        },
+        "thinking": {
+            **_nullable(_object({"type": {"enum": ["enabled", "disabled"]}}, ["type"])),
+            "description": "Reasoning on or off (default off); when given, chat_template_kwargs is not read.",
+        },
+        "chat_template_kwargs": _nullable(_object({
+            "enable_thinking": {**nullable_bool, "default": False},
+        }, description="Only enable_thinking is read.")),
+    }
+
+
+def _chat_field_dependencies() -> list[Schema]:
+    """The rules between chat fields that JSON Schema can say (a named tool being one of the tools it
+    cannot), as the ways to keep all of them: said here, the fuzzer also builds requests that keep them,
+    which get past validation. Spelled as one anyOf of plain objects, not if/then or an allOf: the fuzzer
+    builds boundary cases from those only by filtering, and so builds few."""
+    # top_logprobs needs logprobs: true.
+    logprobs = [
+        ({"top_logprobs": {"type": "null"}}, []),
+        ({"logprobs": _const(True)}, ["logprobs"]),
+    ]
+    # A forced tool call needs tools, and leaves no room for JSON output.
+    tools = [
+        ({"tool_choice": {"enum": ["none", "auto", None]}}, []),
+        ({"tools": {"type": "array", "minItems": 1},
+          "response_format": {"anyOf": [{"type": "null"}, _ref("TextFormat")]}}, ["tools"]),
+    ]
+    return [_object({**p1, **p2}, [*r1, *r2]) for p1, r1 in logprobs for p2, r2 in tools]
+
+
+def _choice_count() -> Schema:
+    return {**_nullable(_int_range(1, MAX_CHOICES)), "default": 1,
+            "description": "Choices to generate: the prompt is computed once, then each decodes on its own."}
 
 
 def _sampling_properties(vocab_size: int, max_model_len: int, token_id: Schema) -> dict[str, Schema]:
@@ -386,7 +530,18 @@ def _sampling_properties(vocab_size: int, max_model_len: int, token_id: Schema) 
         "stream_options": _nullable(_object({"include_usage": {
             **_nullable({"type": "boolean"}), "description": "Default: true for chat, false for text completions.",
         }})),
+        "presence_penalty": _penalty({"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}, 0,
+                                     "Subtracted once from the logit of every token already generated."),
+        "frequency_penalty": _penalty({"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}, 0,
+                                      "Subtracted from a generated token's logit once per time it was generated."),
+        "repetition_penalty": _penalty({"exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY}, 1,
+                                       "Divides the logits of tokens in the prompt or the output (multiplies "
+                                       "negative ones); 1 is off."),
     }
+
+
+def _penalty(bounds: Schema, default: float, description: str) -> Schema:
+    return {**_nullable({"type": "number", **bounds}), "default": default, "description": description}
 
 
 def _other_form_fields(schema: Schema) -> Schema:
@@ -394,9 +549,73 @@ def _other_form_fields(schema: Schema) -> Schema:
     return {"additionalProperties": schema, "propertyNames": {"minLength": 1}}
 
 
-def _message(roles: list[str], parts: list[Schema]) -> Schema:
-    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": parts}}]}
-    return _object({"role": {"enum": roles}, "content": content}, ["role", "content"])
+# --- messages ----------------------------------------------------------------------------
+
+
+def _message_schemas(media_kinds: list[str]) -> dict[str, Schema]:
+    text_only = [_ref("TextPart")]
+    return {
+        "Message": {"anyOf": [_ref(name) for name in
+                              ("UserMessage", "SystemMessage", "AssistantMessage", "ToolCallMessage", "ToolMessage")]},
+        # Only user messages carry media parts: in any other role one is a 400.
+        "UserMessage": _message(["user"], _message_content(_user_parts(media_kinds))),
+        "SystemMessage": _message(["system", "developer"], _message_content(text_only),
+                                  description="developer is OpenAI's newer name for system."),
+        "AssistantMessage": _message(["assistant"], _message_content(text_only),
+                                     more={"tool_calls": _nullable(_tool_calls())}),
+        # Content may be null or left out of an assistant message only when it carries tool calls.
+        "ToolCallMessage": _message(["assistant"], _nullable(_message_content(text_only)), content_required=False,
+                                    more={"tool_calls": _tool_calls()}, more_required=["tool_calls"]),
+        "ToolMessage": _message(["tool"], _message_content(text_only), more_required=["tool_call_id"], more={
+            "tool_call_id": {"type": "string", "minLength": 1,
+                             "description": "The id of the tool call this message answers."},
+        }),
+        "ToolCall": _object(
+            {
+                "id": {"type": "string"},
+                "type": _const("function"),
+                "function": _object({
+                    "name": {"type": "string"},
+                    "arguments": {
+                        "anyOf": [
+                            {"type": "string", "contentMediaType": "application/json",
+                             "contentSchema": {"type": "object"}},
+                            {"type": "object"},
+                        ],
+                        "default": "{}",
+                        "description": "A JSON object's text (as OpenAI answers it; empty means {}), or the object.",
+                    },
+                }, ["name"]),
+            },
+            ["function"],
+            description="A call the assistant made earlier in the conversation, as OpenAI answered it.",
+        ),
+        "TextPart": _part("text", {"type": "string"}),
+        **_media_part_schemas(media_kinds),
+    }
+
+
+def _message_content(parts: list[Schema]) -> Schema:
+    return {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": parts}}]}
+
+
+def _tool_calls() -> Schema:
+    return {"type": "array", "items": _ref("ToolCall")}
+
+
+def _message(
+    roles: list[str],
+    content: Schema,
+    *,
+    content_required: bool = True,
+    more: dict[str, Schema] | None = None,
+    more_required: Iterable[str] = (),
+    description: str | None = None,
+) -> Schema:
+    """A message of these roles: ``content`` as given, and ``more`` fields (those in ``more_required`` required)."""
+    required = ["role", *(["content"] if content_required else []), *more_required]
+    extra = {} if description is None else {"description": description}
+    return _object({"role": {"enum": roles}, "content": content, **(more or {})}, required, **extra)
 
 
 def _part(kind: str, value: Schema) -> Schema:
@@ -439,35 +658,60 @@ def _media_part_schemas(media_kinds: list[str]) -> dict[str, Schema]:
     return schemas
 
 
+# --- tools and response formats ----------------------------------------------------------
+
+
+def _tool_request_schemas() -> dict[str, Schema]:
+    name = {"type": "string", "pattern": _TOOL_NAME_PATTERN}
+    json_schema = {"type": "object", "description": "A JSON Schema, enforced while the model writes."}
+    return {
+        "Tool": _object({
+            "type": _const("function"),
+            "function": _object({
+                "name": name,
+                "description": _nullable({"type": "string"}),
+                "parameters": {**_nullable(json_schema), "description": "The arguments' JSON Schema; default: "
+                                                                        "any object."},
+                "strict": _nullable({"type": "boolean"}),
+            }, ["name"]),
+        }, ["type", "function"]),
+        "NamedToolChoice": _object({
+            "type": _const("function"),
+            "function": _object({"name": {**name, "description": "One of the request's tools."}}, ["name"]),
+        }, ["type", "function"]),
+        "TextFormat": _object({"type": _const("text")}, ["type"]),
+        "JsonObjectFormat": _object({"type": _const("json_object")}, ["type"]),
+        "JsonSchemaFormat": _object({
+            "type": _const("json_schema"),
+            "json_schema": _object({
+                "name": name,
+                "description": _nullable({"type": "string"}),
+                "schema": {**_nullable(json_schema), "description": "Default: any JSON object."},
+                "strict": _nullable({"type": "boolean"}),
+            }, ["name"]),
+        }, ["type", "json_schema"]),
+    }
+
+
+# --- responses ---------------------------------------------------------------------------
+
+
 def _response_schemas(media_kinds: list[str]) -> dict[str, Schema]:
-    usage = _closed_object({k: {"type": "integer", "minimum": 0}
-                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")})
     return {
         "Error": _closed_object({
             "error": _closed_object({"message": {"type": "string"}, "type": {"type": "string"},
                                      "code": {"type": "integer"}}),
         }),
-        "Usage": usage,
-        "ChatCompletion": _envelope("chat.completion", _closed_object({
-            "index": {"type": "integer", "minimum": 0},
-            "message": _closed_object({"role": _const("assistant"), "content": {"type": "string"}}),
-            "finish_reason": {"enum": _FINISH_REASONS},
-            "logprobs": {"type": "null"},
-        }), usage_required=True),
-        "ChatCompletionChunk": _envelope("chat.completion.chunk", _closed_object({
-            "index": {"type": "integer", "minimum": 0},
-            "delta": _object({"role": _const("assistant"), "content": {"type": "string"}},
-                             additionalProperties=False),
-            "finish_reason": {"enum": [*_FINISH_REASONS, None]},
-            "logprobs": {"type": "null"},
-        }), usage_required=False),
-        "TextCompletion": _envelope("text_completion", _closed_object({
-            "index": {"type": "integer", "minimum": 0},
+        **_usage_schemas(),
+        **_chat_response_schemas(),
+        **_logprob_schemas(),
+        "TextCompletion": _envelope("text_completion", "Usage", {"type": "array", "items": _closed_object({
+            "index": {"type": "integer", "minimum": 0, "description": "Prompt i's choice j is at i * n + j."},
             "text": {"type": "string"},
             "token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-            "logprobs": {"type": "null"},
+            "logprobs": _nullable(_ref("CompletionLogprobs")),
             "finish_reason": {"enum": [*_FINISH_REASONS, None], "description": "null on a stream's inner chunks"},
-        }), usage_required=False),
+        })}, usage_required=False),
         "File": _closed_object({
             "id": {"type": "string"},
             "object": _const("file"),
@@ -507,15 +751,104 @@ def _response_schemas(media_kinds: list[str]) -> dict[str, Schema]:
     }
 
 
-def _envelope(kind: str, choice: Schema, *, usage_required: bool) -> Schema:
+def _usage_schemas() -> dict[str, Schema]:
+    counts = {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {
+        "Usage": _closed_object(counts, description="Each prompt counted once, however many choices it has."),
+        "ChatUsage": _closed_object({
+            **counts,
+            "prompt_tokens_details": _closed_object({"cached_tokens": {
+                "type": "integer", "minimum": 0, "description": "Prompt tokens the prefix cache served.",
+            }}),
+        }),
+    }
+
+
+def _chat_response_schemas() -> dict[str, Schema]:
+    index = {**_int_range(0, MAX_CHOICES - 1), "description": "Which of the request's n choices."}
+    logprobs = _nullable(_ref("ChatLogprobs"))
+    return {
+        "ChatCompletion": _envelope("chat.completion", "ChatUsage", {
+            "type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": _closed_object({
+                "index": index,
+                "message": _ref("ChatMessage"),
+                "finish_reason": {"enum": _CHAT_FINISH_REASONS},
+                "logprobs": logprobs,
+            }),
+        }, usage_required=True),
+        # reasoning_content only when the server has a reasoning parser; tool_calls only when calls were made.
+        "ChatMessage": _closed_object({
+            "role": _const("assistant"),
+            "content": {**_nullable({"type": "string"}), "description": "null when the answer is tool calls only."},
+            "reasoning_content": _nullable({"type": "string"}),
+            "tool_calls": {"type": "array", "minItems": 1, "items": _closed_object({
+                "id": {"type": "string"},
+                "type": _const("function"),
+                "function": _closed_object({
+                    "name": {"type": "string"},
+                    "arguments": {"type": "string", "description": "JSON text, as the model wrote it."},
+                }),
+            })},
+        }, ["role", "content"]),
+        # Each chunk carries one choice's delta (its first one the role), or no choice: the usage chunk.
+        "ChatCompletionChunk": _envelope("chat.completion.chunk", "ChatUsage", {
+            "type": "array", "maxItems": 1, "items": _closed_object({
+                "index": index,
+                "delta": _ref("ChatDelta"),
+                "finish_reason": {"enum": [*_CHAT_FINISH_REASONS, None]},
+                "logprobs": logprobs,
+            }),
+        }, usage_required=False),
+        "ChatDelta": _object({
+            "role": _const("assistant"),
+            "reasoning_content": {"type": "string"},
+            "content": {"type": "string"},
+            "tool_calls": {"type": "array", "items": _ref("ToolCallDelta")},
+        }, additionalProperties=False),
+        # A call's first delta names it; the next ones add to its arguments.
+        "ToolCallDelta": _object({
+            "index": {"type": "integer", "minimum": 0, "description": "Which of the choice's calls."},
+            "id": {"type": "string"},
+            "type": _const("function"),
+            "function": _object({"name": {"type": "string"}, "arguments": {"type": "string"}}, ["arguments"],
+                                additionalProperties=False),
+        }, ["index", "function"], additionalProperties=False),
+    }
+
+
+def _logprob_schemas() -> dict[str, Schema]:
+    # Log-softmax of the model's logits, before any penalty, grammar or temperature.
+    logprob = {"type": "number", "description": "At most 0."}
+    token = {"token": {"type": "string"}, "logprob": logprob,
+             "bytes": {"type": "array", "items": _int_range(0, 255), "description": "The token's text in UTF-8."}}
+    return {
+        "ChatLogprobs": _closed_object({"content": {"type": "array", "items": _closed_object({
+            **token,
+            "top_logprobs": {"type": "array", "maxItems": MAX_TOP_LOGPROBS, "items": _closed_object(token)},
+        })}}),
+        "CompletionLogprobs": _closed_object({
+            "tokens": {"type": "array", "items": {"type": "string"}},
+            "token_logprobs": {"type": "array", "items": logprob},
+            "top_logprobs": {"type": "array", "items": {
+                "type": "object", "maxProperties": MAX_TOP_LOGPROBS, "additionalProperties": logprob,
+                "description": "The most likely tokens' texts and log-probabilities.",
+            }},
+            "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                            "description": "Where each token's text starts in the choice's text (of this chunk's "
+                                           "choice, in a stream)."},
+        }, description="Parallel lists, one entry per token; null when logprobs was not asked for."),
+    }
+
+
+def _envelope(kind: str, usage: str, choices: Schema, *, usage_required: bool) -> Schema:
     """The id/object/created/model envelope every completion object shares."""
     properties = {
         "id": {"type": "string"},
         "object": _const(kind),
         "created": {"type": "integer"},
         "model": {"type": "string"},
-        "choices": {"type": "array", "items": choice},
-        "usage": _ref("Usage"),
+        "choices": choices,
+        "usage": _ref(usage),
     }
     required = [k for k in properties if k != "usage" or usage_required]
     return _object(properties, required, additionalProperties=False)
