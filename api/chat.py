@@ -274,6 +274,11 @@ def parse_stop(stop: Any) -> tuple[str, ...]:
     return tuple(require_unicode(s, "'stop'") for s in stops)
 
 
+def parse_int(value: Any, name: str) -> int:
+    """An integer field; 4.0 counts, as JSON Schema has it."""
+    return _int(value, name)
+
+
 def _int(value: Any, name: str) -> int:
     # 4.0 is an integer to JSON Schema, OpenAI's and vLLM's parsers alike.
     if isinstance(value, float) and value.is_integer():

@@ -28,6 +28,7 @@ from api.structured import MAX_TOOLS
 from llm_core.sampling import (
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
     MAX_SEED,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
@@ -534,7 +535,7 @@ def _sampling_properties(vocab_size: int, max_model_len: int, token_id: Schema) 
                                      "Subtracted once from the logit of every token already generated."),
         "frequency_penalty": _penalty({"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}, 0,
                                       "Subtracted from a generated token's logit once per time it was generated."),
-        "repetition_penalty": _penalty({"exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY}, 1,
+        "repetition_penalty": _penalty({"minimum": MIN_REPETITION_PENALTY, "maximum": MAX_REPETITION_PENALTY}, 1,
                                        "Divides the logits of tokens in the prompt or the output (multiplies "
                                        "negative ones); 1 is off."),
     }

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.chat import (
     BadRequest, ChatRequest, MediaRef, UnsupportedMedia, parse_bool, parse_chat_request, parse_choices,
-    parse_include_usage, parse_json_body, parse_sampling, parse_stop, require_unicode,
+    parse_include_usage, parse_int, parse_json_body, parse_sampling, parse_stop, require_unicode,
 )
 from api.chat_output import ChoiceDelta, ChoiceOutput, OutputOptions
 from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
@@ -489,10 +489,11 @@ class CompletionService:
         n = parse_choices(body)
         if body.get("best_of") is not None and body.get("best_of") != n:
             raise BadRequest("'best_of' is not supported beyond 'n' (every choice is returned)")
-        params = parse_sampling(body | {"max_tokens": body.get("max_tokens", 16)})
-        logprobs = body.get("logprobs")
-        if logprobs is not None:
-            if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        max_tokens = body.get("max_tokens")
+        params = parse_sampling(body | {"max_tokens": 16 if max_tokens is None else max_tokens})
+        if body.get("logprobs") is not None:
+            logprobs = parse_int(body["logprobs"], "logprobs")
+            if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
                 raise BadRequest(f"'logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {logprobs!r}")
             params = replace(params, logprobs=logprobs)
         stop = parse_stop(body.get("stop"))

@@ -31,7 +31,9 @@ MAX_TEMPERATURE = 100.0
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 MAX_TOP_K = (1 << 31) - 1  # vocabularies are indexed by int32; the engine also checks its own size
 MAX_PENALTY = 2.0  # presence / frequency, as OpenAI bounds them
-MAX_REPETITION_PENALTY = 10.0  # beyond this every seen token is simply banned
+# Beyond these every seen token is simply banned (or boosted past all others);
+# a penalty that rounds to 0 in float32 would divide logits by zero.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 10.0
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 
@@ -74,9 +76,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not -MAX_PENALTY <= _finite(value, name) <= MAX_PENALTY:
                 raise ValueError(f"{name} must be between -{MAX_PENALTY} and {MAX_PENALTY}, got {value!r}")
-        if not 0.0 < _finite(self.repetition_penalty, "repetition_penalty") <= MAX_REPETITION_PENALTY:
-            raise ValueError(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}")
+        if not MIN_REPETITION_PENALTY <= _finite(self.repetition_penalty, "repetition_penalty") \
+                <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be from {MIN_REPETITION_PENALTY} to {MAX_REPETITION_PENALTY}, "
+                             f"got {self.repetition_penalty!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):

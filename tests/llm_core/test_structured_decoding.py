@@ -146,6 +146,8 @@ def test_penalties_are_validated() -> None:
         SamplingParams(presence_penalty=2.5)
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=0.0)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=5e-324)  # 0 in float32: logits divided by zero
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
 
