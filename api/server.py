@@ -320,34 +320,23 @@ class ChatService:
                      "logprobs": None}
             yield _sse(envelope | {"choices": [first]})
         outputs = [self.output(request) for _ in gens]
-        queue: asyncio.Queue[tuple[int, ChoiceDelta, str | None] | None] = asyncio.Queue()
 
-        async def pump(i: int, gen: Generation) -> None:
+        async def deltas(i: int, gen: Generation) -> AsyncIterator[tuple[int, ChoiceDelta, str | None]]:
             output = outputs[i]
             async for event in self.events(gen):
                 delta = output.feed(event)
                 if not delta.empty or event.finish_reason is not None:
-                    await queue.put((i, delta, output.finish_reason(event.finish_reason)))
+                    yield i, delta, output.finish_reason(event.finish_reason)
 
-        async def run_all() -> None:
-            try:
-                await _gather_or_cancel([pump(i, gen) for i, gen in enumerate(gens)])
-            finally:
-                await queue.put(None)
-
-        runner = asyncio.ensure_future(run_all())
         try:
-            while (item := await queue.get()) is not None:
-                i, delta, finish = item
-                logprobs = {"content": delta.logprobs} if request.top_logprobs is not None else None
-                choice = {"index": i, "delta": delta.as_delta(), "finish_reason": finish, "logprobs": logprobs}
-                yield _sse(envelope | {"choices": [choice]})
-            await runner
+            async with contextlib.aclosing(_interleaved([deltas(i, gen) for i, gen in enumerate(gens)])) as items:
+                async for i, delta, finish in items:
+                    logprobs = {"content": delta.logprobs} if request.top_logprobs is not None else None
+                    choice = {"index": i, "delta": delta.as_delta(), "finish_reason": finish, "logprobs": logprobs}
+                    yield _sse(envelope | {"choices": [choice]})
         except (RequestFailed, EngineUnavailable) as exc:
             yield _sse_error(exc)
         finally:
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
             for gen in gens:
                 await gen.stream.aclose()
         if request.include_usage:
@@ -555,9 +544,8 @@ class CompletionService:
         }
 
     async def stream(self, gens: list[Generation], include_usage: bool, n: int = 1) -> AsyncIterator[str]:
-        queue: asyncio.Queue[tuple[int, str, str | None, list[int], dict[str, Any] | None] | None] = asyncio.Queue()
-
-        async def pump(i: int, gen: Generation) -> None:
+        async def pieces(i: int, gen: Generation) -> AsyncIterator[tuple[int, str, str | None, list[int],
+                                                                          dict[str, Any] | None]]:
             tokens: list[int] = []
             logprobs = _LegacyLogprobs(self.chat.token_text)
             offset = 0
@@ -566,37 +554,54 @@ class CompletionService:
                 logprobs.add(event, offset)
                 offset += len(event.text)
                 if event.text or event.finish_reason is not None:
-                    await queue.put((i, event.text, event.finish_reason, tokens, logprobs.as_dict()))
+                    yield i, event.text, event.finish_reason, tokens, logprobs.as_dict()
                     tokens = []
                     logprobs = _LegacyLogprobs(self.chat.token_text)
 
-        async def run_all() -> None:
-            try:
-                await _gather_or_cancel([pump(i, gen) for i, gen in enumerate(gens)])
-            finally:
-                await queue.put(None)
-
-        runner = asyncio.ensure_future(run_all())
         counts = [0] * len(gens)
         try:
-            while (item := await queue.get()) is not None:
-                i, delta, finish, new_tokens, logprobs = item
-                counts[i] += len(new_tokens)
-                choice = {"index": i, "text": delta, "token_ids": new_tokens, "logprobs": logprobs,
-                          "finish_reason": finish}
-                yield _sse(_completion_envelope(self.chat.model.name) | {"choices": [choice]})
-            await runner
+            async with contextlib.aclosing(_interleaved([pieces(i, gen) for i, gen in enumerate(gens)])) as items:
+                async for i, delta, finish, new_tokens, logprobs in items:
+                    counts[i] += len(new_tokens)
+                    choice = {"index": i, "text": delta, "token_ids": new_tokens, "logprobs": logprobs,
+                              "finish_reason": finish}
+                    yield _sse(_completion_envelope(self.chat.model.name) | {"choices": [choice]})
         except (RequestFailed, EngineUnavailable) as exc:
             yield _sse_error(exc)
         finally:
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)  # nobody reads the streams while they close
             for gen in gens:
                 await gen.stream.aclose()
         if include_usage:
             usage = _usage(_prompt_tokens(gens, n), sum(counts))
             yield _sse(_completion_envelope(self.chat.model.name) | {"choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
+
+
+async def _interleaved(sources: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """Every source's items as they come. When one source fails, the others
+    are cancelled and the failure is raised here; closing this generator
+    cancels them all (nobody reads their streams while they close)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump(source: AsyncIterator[Any]) -> None:
+        async for item in source:
+            await queue.put(item)
+
+    async def run_all() -> None:
+        try:
+            await _gather_or_cancel([pump(source) for source in sources])
+        finally:
+            await queue.put(done)
+
+    runner = asyncio.ensure_future(run_all())
+    try:
+        while (item := await queue.get()) is not done:
+            yield item
+        await runner
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
 
 
 async def _gather_or_cancel(aws: list[Awaitable[Any]]) -> list[Any]:
