@@ -34,7 +34,7 @@ from llm_core.kv_tiers import KVTiers, TierConfig, model_fingerprint
 from llm_core.schedule_policy import LengthBuckets
 from llm_core.kv_transfer import RESTORE_BUCKETS, EngineTierIO, model_weights_digest
 from llm_core.prefix_cache import RadixCache
-from llm_core.grammar import GrammarCompiler, GrammarMatcher, allows
+from llm_core.grammar import GrammarCompiler, GrammarMatcher
 from llm_core.sampling import (
     SamplingParams,
     SamplingPlan,
@@ -187,12 +187,9 @@ class _DraftMasker:
         for r, (_, matcher) in enumerate(self.rows):
             row = self.bits[r]
             if previous is not None and self.alive[r]:
-                token = previous[r]
-                if token in self.ends or not allows(row, token) or not matcher.consume(token):
-                    self.alive[r] = False
-                else:
-                    self.taken[r] += 1
-                    self.alive[r] = not matcher.stopped
+                _, taken = matcher.take_draft(row, previous[r], self.ends)
+                self.taken[r] += taken
+                self.alive[r] = taken and not matcher.stopped
             if self.alive[r]:
                 matcher.fill_mask(row)
                 if not row.any():
@@ -694,11 +691,12 @@ class Engine:
                     matcher.fill_mask(row)
                     if not row.any():
                         raise ValueError(f"the request's grammar allows no token here: {matcher.error}")
-                    if j == n or not allows(row, proposed[j]):
+                    if j == n:
                         break
-                    valid += 1
-                    if proposed[j] in ends or not matcher.consume(proposed[j]):
-                        break  # an allowed end: the output ends with this draft
+                    allowed, took = matcher.take_draft(row, proposed[j], ends)
+                    valid += allowed
+                    if not took:
+                        break  # refused, or an allowed end: the output ends with this draft
                     taken += 1
                     if matcher.stopped:  # a draft completed the output: nothing after it is kept
                         break
@@ -719,15 +717,15 @@ class Engine:
         top = max(k for _, k in want)
         rows = to_device(torch.tensor([i * width + j for i, _ in want for j in range(width)]), logits.device)
         chosen, values, ids = token_logprobs(logits[rows], tokens.reshape(-1)[rows], top)
-        chosen_host = chosen.view(len(want), width).tolist()
-        values_host = values.view(len(want), width, top).tolist() if values is not None else None
-        ids_host = ids.view(len(want), width, top).tolist() if ids is not None else None
+        # One copy: token ids are exact in float32 (below 2**24).
+        parts = [chosen[:, None]] if values is None or ids is None else [chosen[:, None], values, ids.float()]
+        host = torch.cat(parts, dim=1).view(len(want), width, -1).tolist()
         out: dict[int, tuple[list[float], list[tuple[tuple[int, float], ...]] | None]] = {}
         for w, (i, k) in enumerate(want):
             alternatives = None
-            if values_host is not None and ids_host is not None:
-                alternatives = [tuple(zip(ids_host[w][j][:k], values_host[w][j][:k])) for j in range(width)]
-            out[i] = (chosen_host[w], alternatives)
+            if top:
+                alternatives = [tuple(zip(map(int, row[1 + top : 1 + top + k]), row[1 : 1 + k])) for row in host[w]]
+            out[i] = ([row[0] for row in host[w]], alternatives)
         return out
 
     def _pending_drafts(self, chunks: list[ScheduledChunk], most: int,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -179,6 +180,16 @@ class GrammarMatcher:
     def consume(self, token: int) -> bool:
         """Advance by ``token``; False (and the matcher in error) if the grammar refuses it."""
         return bool(self._matcher.consume_token(token))
+
+    def take_draft(self, row: np.ndarray, token: int, ends: Collection[int]) -> tuple[bool, bool]:
+        """A draft token against ``row``, the mask filled just before it:
+        (allowed, taken). An allowed end-of-sequence token is not taken (it
+        leaves no token to roll back); a taken one may complete the grammar."""
+        if not allows(row, token):
+            return False, False
+        if token in ends:
+            return True, False
+        return True, self.consume(token)
 
     def rollback(self, count: int) -> None:
         """Undo the last ``count`` tokens taken (an end-of-sequence token that
