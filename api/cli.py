@@ -89,12 +89,14 @@ def _serve(args: argparse.Namespace) -> int:
 def _train_demo(args: argparse.Namespace) -> int:
     import json
 
-    from api.demo.train import TrainConfig, train_demo
+    from api.demo.train import TrainConfig, finetune_config, train_demo
 
     given = {"seed": args.seed, "batch_size": args.batch_size, "max_steps": args.max_steps,
              "max_minutes": args.max_minutes}
-    config = TrainConfig(**{name: value for name, value in given.items() if value is not None})
-    summary = train_demo(args.out, config, progress=not args.quiet)
+    chosen = {name: value for name, value in given.items() if value is not None}
+    # Fine-tuning has its own defaults (learning rate, budget, frozen encoders).
+    config = finetune_config(**chosen) if args.init else TrainConfig(**chosen)
+    summary = train_demo(args.out, config, progress=not args.quiet, init=args.init)
     print(json.dumps(summary))
     return 0
 
@@ -488,13 +490,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int)
     train.add_argument("--max-steps", type=int)
     train.add_argument("--max-minutes", type=float)
+    train.add_argument("--init", help="fine-tune this trained demo checkpoint (e.g. models/demo) instead of "
+                                      "training from scratch: every task, thinking and the video tool mixed")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(func=_train_demo)
 
     evaluate = sub.add_parser("eval-demo", help="score the demo model on a held-out synthetic world")
     evaluate.add_argument("--model", help="checkpoint (default: the committed demo model)")
     evaluate.add_argument("--seed", type=int, help="world seed (default: one training never uses)")
-    evaluate.add_argument("--per-task", type=int, default=34, help="items per task (9 tasks)")
+    evaluate.add_argument("--per-task", type=int, default=34, help="items per task (10 tasks)")
     evaluate.add_argument("--json", action="store_true", help="one-line JSON")
     evaluate.set_defaults(func=_eval_demo)
 

@@ -7,6 +7,13 @@ asks every question greedily under several engine settings, and checks the
 answers are identical across them (determinism), then scores them per task.
 Speculative decoding is on in most settings and off in two: the answers
 must not change, and the engine's draft acceptance per position is reported.
+
+Besides the plain questions (the per-task ``accuracy``), every question is asked
+in thinking mode (``thinking``: the reasoning exact and the answer right) and
+with the video tool listed (``tools``): the file questions must be answered by
+the exact call, the call's result (the model's own call, run on the written
+file's scene) by the right sentence, and, without the tool, never by a call;
+the other questions must keep their answers with the tool listed.
 """
 
 from __future__ import annotations
@@ -20,14 +27,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from api.chat import ChatRequest, parse_chat_request
-from api.demo.world import TASKS, Sample, answer_matches, make_eval_set, write_media
+from api.demo.dialogue import (
+    Conversation,
+    Mode,
+    ToolCall,
+    conversation,
+    parse_tool_calls,
+    split_reasoning,
+)
+from api.demo.world import (
+    TASKS,
+    VIDEO_PROPERTIES,
+    VIDEO_TOOL_NAME,
+    Sample,
+    answer_matches,
+    make_eval_set,
+    write_media,
+)
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel
 from api.server import ChatService
 from api.uploads import StoredFile, sniff_media_kind
 from llm_core import MultimodalSpan
+from llm_core.chat import MediaPart, expand_placeholders
+from llm_core.multimodal import SpanRef
 
 __all__ = ["ask", "ask_many", "eval_demo"]
 
@@ -59,13 +83,34 @@ class _Run:
     spans: list[MultimodalSpan]
 
 
-async def _answer(chat: ChatService, request: ChatRequest) -> _Run:
-    prompt_ids, spans = await chat.prompt(request)
+async def _answer(chat: ChatService, request: ChatRequest, conv: Conversation | None = None) -> _Run:
+    if conv is None or not (conv.follow_up or conv.variables):
+        prompt_ids, spans = await chat.prompt(request)
+    else:
+        prompt_ids, spans = await _dialogue_prompt(chat, request, conv)
     text, tokens = "", []
     gen = await chat.open(prompt_ids, request.params, spans, request.stop)
     async for delta, _, tokens in chat.tokens(gen):
         text += delta
     return _Run(text.strip(), prompt_ids, list(tokens), spans)
+
+
+async def _dialogue_prompt(
+    chat: ChatService, request: ChatRequest, conv: Conversation
+) -> tuple[list[int], list[MultimodalSpan | SpanRef]]:
+    """``ChatService.prompt`` for the user's turn plus the conversation's follow-up
+    turns and template variables (tools, thinking): the same media path and
+    template, with what the request parser does not carry here."""
+    messages, refs = await chat._with_sound_tracks(request.messages, request.media)
+    embeddings = await asyncio.gather(*(chat.embed(ref) for ref in refs))
+    media = [MediaPart(ref.kind, emb.tensor, emb.key, emb.rows) for ref, emb in zip(refs, embeddings)]
+    text = chat.model.chat_template.render([*messages, *conv.follow_up], **conv.variables)
+    tokenizer = chat.model.tokenizer
+    assert tokenizer is not None
+    ids, offsets = expand_placeholders(tokenizer.encode(text), [(p.kind, p.num_rows) for p in media],
+                                       chat.model.placeholder_ids)
+    chat.model.check_length(len(ids), request.params.max_tokens)
+    return ids, [p.span(offset) for offset, p in zip(offsets, media)]
 
 
 def ask(model_dir: str | Path, question: str, files: Sequence[str | Path], max_tokens: int = 64) -> str:
@@ -118,23 +163,103 @@ class _Setting:
                 f"speculative={self.speculative}")
 
 
-async def _run_config(model_dir: Path, items: list[tuple[Sample, list[Path]]],
-                      setting: _Setting) -> tuple[list[_Run], dict[str, Any]]:
-    """Every item's answer under one engine setting, and the engine's MTP
-    draft statistics over them."""
+# The other tasks are asked three ways; the file questions with the tool, with it
+# and thinking, and without it. The first two are then answered with the result of
+# the model's own call (``_round_trip``).
+_ASKED = (Mode(), Mode(thinking=True), Mode(tools=True))
+_ASKED_ABOUT_THE_FILE = (Mode(tools=True), Mode(tools=True, thinking=True), Mode())
+THINKING_MAX_TOKENS = 160  # the longest reasoning and answer (describe) take ~100
+
+
+@dataclass(frozen=True)
+class _Item:
+    sample: Sample
+    files: list[Path]
+    mode: Mode
+    call: ToolCall | None = None  # after a tool result: the call the model made
+
+    @property
+    def conversation(self) -> Conversation:
+        return conversation(self.sample, self.mode, call=self.call)
+
+    @property
+    def label(self) -> str:
+        return self.mode.label(self.sample.task)
+
+
+def _first_turns(written: Sequence[tuple[Sample, list[Path]]]) -> list[_Item]:
+    return [_Item(sample, files, mode) for sample, files in written
+            for mode in (_ASKED_ABOUT_THE_FILE if sample.task == "video_info" else _ASKED)]
+
+
+def _usable_call(item: _Item, answer: str) -> ToolCall | None:
+    """The model's call, if it made exactly one that the client could run."""
+    _, content = split_reasoning(answer, item.mode.thinking)
+    calls = parse_tool_calls(content)
+    if len(calls) != 1 or calls[0].name != VIDEO_TOOL_NAME:
+        return None
+    call = calls[0]
+    return call if list(call.arguments) == ["property"] and call.arguments["property"] in VIDEO_PROPERTIES else None
+
+
+def _round_trip(item: _Item, answer: str) -> _Item | None:
+    """The follow-up of a file question asked with the tool: the model's own call
+    and its result (None where there is no usable call: the round trip fails)."""
+    if item.sample.task != "video_info" or not item.mode.tools:
+        return None
+    call = _usable_call(item, answer)
+    mode = Mode(tools=True, thinking=item.mode.thinking, tool_result=True)
+    return None if call is None else _Item(item.sample, item.files, mode, call)
+
+
+def is_right(item: _Item, answer: str) -> bool:
+    """A call must be exact; an answer in words right as ``answer_matches`` has it,
+    with no call in it; a reasoning exact."""
+    expected = item.conversation
+    thought, content = split_reasoning(answer, item.mode.thinking)
+    if thought != expected.reasoning:
+        return False
+    if item.sample.task == "video_info" and item.mode.tools and not item.mode.tool_result:
+        return content == expected.content
+    return "<tool_call>" not in answer and answer_matches(content, expected.content)
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """Every first turn's answer, and each round trip's (None: no usable call)."""
+
+    first: list[tuple[_Item, str]]
+    follow_ups: list[tuple[_Item, _Item | None, str | None]]  # (first turn, round trip, answer)
+
+    def answers(self) -> list[str | None]:
+        return [a for _, a in self.first] + [a for _, _, a in self.follow_ups]
+
+
+async def _run_config(model_dir: Path, items: list[_Item], setting: _Setting) -> tuple[_Asked, dict[str, Any]]:
+    """Every item's answer under one engine setting, then the round trips, and the
+    engine's MTP draft statistics over them."""
     model = ServingModel(model_dir, enable_prefix_caching=setting.prefix_caching,
                          max_running_requests=max(setting.concurrency, 1),
                          speculative_tokens=None if setting.speculative else 0)
     chat = ChatService(model, ServerMetrics())
     gate = asyncio.Semaphore(setting.concurrency)
 
-    async def one(sample: Sample, files: list[Path]) -> _Run:
+    async def one(item: _Item) -> str:
+        max_tokens = THINKING_MAX_TOKENS if item.mode.thinking else 64
         async with gate:
-            return await _answer(chat, _request(sample.question, files, 64))
+            run = await _answer(chat, _request(item.sample.question, item.files, max_tokens), item.conversation)
+            return run.answer
+
+    async def follow(item: _Item | None) -> str | None:
+        return None if item is None else await one(item)
 
     try:
-        runs = list(await asyncio.gather(*(one(s, f) for s, f in items)))
-        return runs, model.llm.stats()["speculative"]
+        first = list(zip(items, await asyncio.gather(*(one(i) for i in items))))
+        trips = [(item, _round_trip(item, answer)) for item, answer in first if item.sample.task == "video_info"
+                 and item.mode.tools]
+        answers = await asyncio.gather(*(follow(trip) for _, trip in trips))
+        follow_ups = [(item, trip, answer) for (item, trip), answer in zip(trips, answers)]
+        return _Asked(first, follow_ups), model.llm.stats()["speculative"]
     finally:
         await model.aclose()
 
@@ -149,6 +274,59 @@ def _settings(concurrencies: Sequence[int], prefix_caching: Sequence[bool]) -> l
     return on + off
 
 
+def _rate(flags: Sequence[bool]) -> float:
+    return round(sum(flags) / len(flags), 4) if flags else 0.0
+
+
+def _scores(asked: _Asked) -> dict[str, list[bool]]:
+    """Right or wrong per item, by label (``Mode.label``): round trips whose call was
+    unusable count as wrong."""
+    scores: dict[str, list[bool]] = defaultdict(list)
+    for item, answer in asked.first:
+        scores[item.label].append(is_right(item, answer))
+    for item, trip, answer in asked.follow_ups:
+        mode = Mode(tools=True, thinking=item.mode.thinking, tool_result=True)
+        scores[mode.label("video_info")].append(trip is not None and answer is not None and is_right(trip, answer))
+    return scores
+
+
+def _report(asked: _Asked) -> dict[str, Any]:
+    scores = _scores(asked)
+    plain = {t: scores[Mode().label(t)] for t in TASKS if t != "video_info"}
+    # A file question's plain score is the call it is asked for, with the tool listed.
+    accuracy = {t: _rate(v) for t, v in sorted({**plain, "video_info": scores["tool_call"]}.items())}
+    thinking = {t: _rate(scores[Mode(tools=t == "video_info", thinking=True).label(t)]) for t in sorted(TASKS)}
+    without_tools = [answer for item, answer in asked.first if not item.mode.tools]
+    return {
+        "accuracy": accuracy,
+        "overall_accuracy": _rate([ok for v in [*plain.values(), scores["tool_call"]] for ok in v]),
+        "worst_task_accuracy": min(accuracy.values()),
+        "tools": {
+            "call_exact": accuracy["video_info"],
+            "round_trip": _rate(scores["tool_reply"]),
+            "call_exact_thinking": _rate(scores["tool_call+think"]),
+            "round_trip_thinking": _rate(scores["tool_reply+think"]),
+            "without_tool_no_call": _rate(scores["tool_absent"]),  # and says it cannot tell
+            "other_tasks_with_tool_listed": _rate([ok for t in plain for ok in scores[f"{t}+tools"]]),
+            "no_call_in_any_answer_without_tools": _rate(["<tool_call>" not in a for a in without_tools]),
+        },
+        "thinking": {
+            "accuracy": thinking,
+            "overall_accuracy": _rate([ok for label, v in scores.items() if label.endswith("+think") for ok in v]),
+            "worst_task_accuracy": min(thinking.values()),
+        },
+    }
+
+
+def _mistakes(asked: _Asked, limit: int = 10) -> list[dict[str, str]]:
+    wrong = [(item, answer) for item, answer in asked.first if not is_right(item, answer)]
+    wrong += [(trip or item, answer or "(no usable call)") for item, trip, answer in asked.follow_ups
+              if trip is None or answer is None or not is_right(trip, answer)]
+    return [{"task": item.sample.task, "asked": item.label, "question": item.sample.question,
+             "expected": item.conversation.output,
+             "got": answer} for item, answer in wrong[:limit]]
+
+
 def eval_demo(
     model_dir: str | Path,
     *,
@@ -161,32 +339,22 @@ def eval_demo(
     samples = make_eval_set(seed, per_task)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="swallow-eval-") as tmp:
-        items = [(s, write_media(s, Path(tmp), f"item{i:04d}")) for i, s in enumerate(samples)]
+        items = _first_turns([(s, write_media(s, Path(tmp), f"item{i:04d}")) for i, s in enumerate(samples)])
         settings = _settings(concurrencies, prefix_caching)
         outcomes = {setting: asyncio.run(_run_config(model_dir, items, setting)) for setting in settings}
-    results = {setting: runs for setting, (runs, _) in outcomes.items()}
-    reference = results[settings[0]]
-    answers = [r.answer for r in reference]
-    identical = {setting.label: [r.answer for r in runs] == answers for setting, runs in results.items()}
+    reference = outcomes[settings[0]][0]
+    identical = {setting.label: asked.answers() == reference.answers() for setting, (asked, _) in outcomes.items()}
     spec = outcomes[settings[0]][1]
-    per_task: dict[str, list[bool]] = defaultdict(list)
-    for sample, answer in zip(samples, answers):
-        per_task[sample.task].append(answer_matches(answer, sample.answer))
-    accuracy = {t: round(sum(v) / len(v), 4) for t, v in sorted(per_task.items())}
-    overall = sum(sum(v) for v in per_task.values()) / len(samples)
-    mistakes = [{"task": s.task, "question": s.question, "expected": s.answer, "got": a}
-                for s, a in zip(samples, answers) if not answer_matches(a, s.answer)][:10]
     return {
         "eval_seed": seed,
         "items": len(samples),
+        "questions_asked": len(reference.answers()),
         "tasks": list(TASKS),
-        "accuracy": accuracy,
-        "overall_accuracy": round(overall, 4),
-        "worst_task_accuracy": min(accuracy.values()),
+        **_report(reference),
         "identical_answers_across_settings": identical,
         # Measured by the engine while answering (speculation on, first setting).
         "mtp": {key: spec[key] for key in ("num_speculative_tokens", "acceptance_rate_per_position",
                                            "mean_acceptance_length", "drafts_proposed", "drafts_accepted")},
         "seconds": round(time.monotonic() - started, 1),
-        "examples_wrong": mistakes,
+        "examples_wrong": _mistakes(reference),
     }

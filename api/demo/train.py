@@ -1,19 +1,32 @@
 """``swallow train-demo``: train the demo model end to end on the synthetic world.
 
-Everything trains together from random weights: the Qwen2.5-VL-style vision
-tower, the Whisper-style audio tower, their projectors, and this project's
-MiMo-V2 LLM (hybrid full/sliding attention with a 32-token window, sinks, MoE,
-three chained MTP layers, layer j trained on token t+j+2). Inputs go through exactly the
-preprocessing the server uses (``media.preprocess_*``, ``media.audio_features``)
-and the model's chat template, so the trained checkpoint answers through the
-normal serving path.
+From scratch (the default), everything trains together from random weights: the
+Qwen2.5-VL-style vision tower, the Whisper-style audio tower, their projectors, and
+this project's MiMo-V2 LLM (hybrid full/sliding attention with a 32-token window,
+sinks, MoE, three chained MTP layers, layer j trained on token t+j+2). Inputs go
+through exactly the preprocessing the server uses (``media.preprocess_*``,
+``media.audio_features``) and the demo's chat template (``api.demo.dialogue``), so
+the trained checkpoint answers through the normal serving path.
+
+``init`` fine-tunes a trained checkpoint instead: the full mix of tasks and ways of
+asking (thinking, the tool listed, the tool's round trip) from the first step, the
+encoders frozen, so new skills are learnt while the old ones keep being practised.
+
+On cores shared with other work, run with ``OMP_WAIT_POLICY=PASSIVE`` in the
+environment (it is read when torch loads): OpenMP workers that spin wait out a
+whole scheduler slice for a descheduled peer at every op, which made fine-tuning
+steps ~15x slower here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
 import math
+import re
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,18 +34,42 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 from torch import nn
 from tqdm import tqdm
 
-from api.demo.world import COLORS, DIRECTIONS, SHAPES, TASKS, Sample, make_sample, make_scene
+from api.demo.dialogue import (
+    ADDED_TOKENS,
+    DEMO_CHAT_TEMPLATE,
+    THINK_CLOSE,
+    Conversation,
+    Mode,
+    conversation,
+)
+from api.demo.world import (
+    COLORS,
+    DIRECTIONS,
+    SHAPES,
+    TASKS,
+    Sample,
+    make_sample,
+    make_scene,
+)
 from encoders.audio import AudioEncoder, AudioInput
-from encoders.multimodal_checkpoint import add_encoders, init_encoder_weights
-from encoders.presets import DEMO_AUDIO, DEMO_PREPROCESS, DEMO_PREPROCESSOR_CONFIG, DEMO_VISION
+from encoders.multimodal_checkpoint import (
+    add_encoders,
+    init_encoder_weights,
+    load_encoders,
+)
+from encoders.presets import (
+    DEMO_AUDIO,
+    DEMO_PREPROCESS,
+    DEMO_PREPROCESSOR_CONFIG,
+    DEMO_VISION,
+)
 from encoders.vision import VisionEncoder, VisionInput
 from llm_core.chat import (
-    DEFAULT_CHAT_TEMPLATE,
     MEDIA_PLACEHOLDERS,
     MULTIMODAL_SPECIAL_TOKENS,
     ChatTemplate,
@@ -42,10 +79,10 @@ from llm_core.checkpoint import SPECIAL_TOKENS, random_model
 from llm_core.config import AttentionSpec, ModelConfig
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.tokenizer import Tokenizer
-from llm_core.weights import save_model
+from llm_core.weights import load_model, save_model
 from media import audio_features, preprocess_images, preprocess_video
 
-__all__ = ["DemoModel", "TrainConfig", "demo_llm_config", "train_demo"]
+__all__ = ["DEMO_CHAT_TEMPLATE", "DemoModel", "TrainConfig", "demo_llm_config", "finetune_config", "train_demo"]
 
 HOP = 160
 
@@ -61,10 +98,34 @@ class TrainConfig:
     weight_decay: float = 0.01
     mtp_loss_weight: float = 0.3
     mtp_examples: int = 12  # examples per batch the MTP chain is trained on (longest answers first)
+    # A part of an answer this long or shorter weighs one per token; a longer part
+    # weighs this much in all (see _token_weights).
+    answer_tokens_weighed: int = 5
     # Stop early once every task's answers (teacher-forced, fresh samples) are this accurate.
     target_accuracy: float = 0.995
     accuracy_window: int = 400  # samples per task the running accuracy covers
     log_every: int = 10
+    # Once every task is drawn (the last phase; all along when fine-tuning): the share
+    # of the other tasks' examples asked in thinking mode, and with the tool listed.
+    thinking_share: float = 0.3
+    tools_share: float = 0.15
+    # Fine-tuning keeps what the encoders learnt: the new skills are the LLM's only
+    # (the tool questions are about the file, reasoning is text), and frozen towers
+    # skip their backward pass, over half a step's time.
+    freeze_encoders: bool = False
+
+
+def finetune_config(**overrides: object) -> TrainConfig:
+    """The settings of ``train-demo --init``: from a trained checkpoint, a gentler
+    learning rate, frozen encoders, and a budget of minutes rather than hours."""
+    # Half batches, twice the steps: the new skills are mostly fixed texts, learnt per
+    # step. Their telling tokens (the property asked for, the digits of a result) sit
+    # in 10-30-token answers, so each answer token weighs one, as a one-word answer
+    # does: by now the templated tokens cost next to nothing. Drafts matter less than
+    # answers: the MTP chain runs on fewer examples.
+    base = {"batch_size": 16, "max_steps": 1500, "max_minutes": 18.0, "lr": 5e-4, "warmup_steps": 50,
+            "freeze_encoders": True, "target_accuracy": 1.0, "answer_tokens_weighed": 32, "mtp_examples": 6}
+    return TrainConfig(**{**base, **overrides})  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------
@@ -72,17 +133,50 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------
 
 
+_EARLIER_TASKS = tuple(t for t in TASKS if t != "video_info")  # the language the BPE was first trained on
+DIALOGUE_MERGES = 100  # BPE merges for the words of tools and reasoning (each a row in embed and head)
+
+
 def _corpus(seed: int) -> list[str]:
+    """The questions and answers of the tasks without the tool, and the role names."""
     rng = np.random.default_rng(seed)
     # Only the words matter: scenes are drawn (as samples would be) but never rendered.
-    texts = [f"{q} {a}" for _, q, a in (make_scene(rng, TASKS[i % len(TASKS)]) for i in range(1800))]
+    tasks = _EARLIER_TASKS
+    texts = [f"{q} {a}" for _, q, a in (make_scene(rng, tasks[i % len(tasks)]) for i in range(1800))]
     texts += [" ".join((*COLORS, *SHAPES, *DIRECTIONS, "high", "low", "1", "2", "3", "4", "5"))]
     texts += ["user\n", "assistant\n", "system\n"] * 50
     return texts
 
 
+def _dialogue_texts(seed: int) -> list[str]:
+    """Prompts and answers of every task in every way of asking, media left out: the
+    words the tool block, calls, results, replies and reasonings are made of."""
+    rng = np.random.default_rng(seed + 11)
+    template = ChatTemplate(DEMO_CHAT_TEMPLATE)
+    texts: list[str] = []
+    for i in range(200):
+        task = TASKS[i % len(TASKS)]
+        scene, question, answer = make_scene(rng, task)
+        sample = Sample(task, question, answer, scene.media, None, None, None, scene)
+        modes = [*TOOL_EXCHANGES] if task == "video_info" else [Mode(tools=True)]
+        for mode in modes:
+            for thinking in (False, True):
+                conv = conversation(sample, Mode(mode.tools, thinking, mode.tool_result))
+                user = {"role": "user", "content": question}
+                # What the model writes weighs more than the prompt: the fewer tokens an
+                # answer has, the fewer it must get exactly right.
+                texts += [template.render([user, *conv.follow_up], **conv.variables), *[conv.output] * 8]
+    return texts
+
+
 def build_tokenizer(seed: int) -> HFTokenizer:
-    """Byte-level BPE over the demo language: its words become single tokens."""
+    """Byte-level BPE over the demo language (its words become single tokens), grown
+    for tools and thinking as a checkpoint from before them is when fine-tuned."""
+    return with_dialogue_vocabulary(base_tokenizer(seed), seed)
+
+
+def base_tokenizer(seed: int) -> HFTokenizer:
+    """Byte-level BPE over the earlier tasks' language: its words become single tokens."""
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -94,6 +188,74 @@ def build_tokenizer(seed: int) -> HFTokenizer:
     )
     tokenizer.train_from_iterator(_corpus(seed), trainer)
     return tokenizer
+
+
+def with_dialogue_vocabulary(tokenizer: HFTokenizer, seed: int = 0) -> HFTokenizer:
+    """The tokenizer grown for tools and thinking, unless it already is: BPE merges
+    for their words, then the markers as single tokens. The new ids come after the
+    old ones and no merge applies to the earlier tasks' words, so their texts keep
+    their token ids (and a checkpoint trained on them its embedding rows)."""
+    if all(tokenizer.token_to_id(t) is not None for t in ADDED_TOKENS):
+        return tokenizer
+    grown = extend_merges(tokenizer, _dialogue_texts(seed), keep=_corpus(seed), max_new=DIALOGUE_MERGES)
+    vocab = grown.get_vocab(with_added_tokens=True)
+    grown.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS if t not in vocab])
+    return grown
+
+
+def _word_counts(tokenizer: HFTokenizer, texts: Sequence[str]) -> Counter[str]:
+    """Pre-tokenized words (byte-level form) of ``texts``, special and marker tokens cut out."""
+    markers = [*SPECIAL_TOKENS, *MULTIMODAL_SPECIAL_TOKENS, *ADDED_TOKENS]
+    split = re.compile("|".join(re.escape(m) for m in markers))
+    counts: Counter[str] = Counter()
+    for text in texts:
+        for chunk in split.split(text):
+            counts.update(word for word, _ in tokenizer.pre_tokenizer.pre_tokenize_str(chunk))
+    return counts
+
+
+def extend_merges(tokenizer: HFTokenizer, texts: Sequence[str], keep: Sequence[str], max_new: int) -> HFTokenizer:
+    """A copy of ``tokenizer`` with up to ``max_new`` BPE merges appended, learnt as
+    BPE learns them (the most frequent adjacent pair of ``texts``' tokens first).
+
+    Appended merges apply only after every earlier one, to the tokens those leave;
+    a pair found next to each other in a word of ``keep`` is never merged, so the
+    texts of ``keep`` keep their tokens. Nor is a pair with a digit: numbers stay a
+    token per digit, which the model copies from a tool result to its answer."""
+    data = json.loads(tokenizer.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    merges: list[list[str]] = data["model"]["merges"]
+    counts = _word_counts(tokenizer, texts)
+    words = {w: [t.value for t in tokenizer.model.tokenize(w)] for w in counts}
+    kept = {w: [t.value for t in tokenizer.model.tokenize(w)] for w in _word_counts(tokenizer, keep)}
+    forbidden = {pair for tokens in kept.values() for pair in itertools.pairwise(tokens)}
+    next_id = max(*vocab.values(), *(t["id"] for t in data["added_tokens"])) + 1
+    for _ in range(max_new):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, tokens in words.items():
+            for pair in itertools.pairwise(tokens):
+                if pair not in forbidden and not any(c.isdigit() for c in "".join(pair)):
+                    pairs[pair] += counts[word]
+        if not pairs:
+            break
+        # The most frequent pair; ties in a fixed order, so the vocabulary is a function of the texts.
+        (a, b), _ = max(pairs.items(), key=lambda item: (item[1], item[0]))
+        merges.append([a, b])
+        if a + b not in vocab:
+            vocab[a + b] = next_id
+            next_id += 1
+        words = {w: _merge(tokens, a, b) for w, tokens in words.items()}
+    return HFTokenizer.from_str(json.dumps(data))
+
+
+def _merge(tokens: list[str], a: str, b: str) -> list[str]:
+    out: list[str] = []
+    for token in tokens:
+        if out and out[-1] == a and token == b:
+            out[-1] = a + b
+        else:
+            out.append(token)
+    return out
 
 
 def demo_llm_config(vocab_size: int, eos_id: int) -> ModelConfig:
@@ -131,10 +293,17 @@ def demo_llm_config(vocab_size: int, eos_id: int) -> ModelConfig:
 
 @dataclass
 class Example:
-    task: str
+    task: str  # what the meter scores it as (see ``meter_label``)
     ids: list[int]  # prompt + answer + <|im_end|>, placeholders expanded
     answer_start: int  # first answer position
     media: list[tuple[str, VisionInput | AudioInput, int]]  # (encoder kind, input, first position)
+    # Where the answer's parts start: the answer itself, and after a reasoning its
+    # words past </think>. Each part is weighed as a whole answer is (see _loss).
+    parts: tuple[int, ...] = ()
+
+    @property
+    def part_starts(self) -> tuple[int, ...]:
+        return self.parts or (self.answer_start,)
 
 
 def chat_messages(sample: Sample, media_first: bool) -> list[dict]:
@@ -181,7 +350,10 @@ class DemoModel(nn.Module):
             offset += len(ex.ids)
         for kind, entries in per_kind.items():
             encoder = self.vision if kind == "vision" else self.audio
-            outputs = encoder.forward_items([item for item, _ in entries])
+            # A frozen encoder (fine-tuning) keeps no graph: nothing flows back into it.
+            trains = any(p.requires_grad for p in encoder.parameters())
+            with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
+                outputs = encoder.forward_items([item for item, _ in entries])
             for (_, start), out in zip(entries, outputs):
                 rows.append(out)
                 positions.extend(range(start, start + out.shape[0]))
@@ -302,25 +474,47 @@ class _PaddedGroup:
         return out.permute(0, 3, 1, 2, 4).reshape(batch * width, hq, dv)
 
 
+PLAIN = Mode()  # asked as before: no tools, no thinking
+
+
+def meter_label(task: str, mode: Mode) -> str:
+    """The running accuracy an example counts in: the plain tasks each on their own,
+    the new skills as a few groups."""
+    if task == "video_info":
+        return mode.label(task).removesuffix("+think")
+    if mode.thinking:
+        return "thinking"
+    return "tools_listed" if mode.tools else task
+
+
 class ExampleBuilder:
     def __init__(self, tokenizer: Tokenizer, vision: VisionEncoder, audio: AudioEncoder) -> None:
         self.tokenizer = tokenizer
-        self.template = ChatTemplate(DEFAULT_CHAT_TEMPLATE)
+        self.template = ChatTemplate(DEMO_CHAT_TEMPLATE)
         self.placeholder_ids = {kind: tokenizer.token_to_id(tok) for kind, tok in MEDIA_PLACEHOLDERS.items()}
         self.end = tokenizer.token_to_id("<|im_end|>")
+        self.think_close = tokenizer.token_to_id(THINK_CLOSE.strip())
         self.vision, self.audio = vision, audio
 
-    def build(self, sample: Sample, rng: np.random.Generator) -> Example:
+    def build(self, sample: Sample, rng: np.random.Generator, mode: Mode = PLAIN) -> Example:
         messages = chat_messages(sample, media_first=bool(rng.random() < 0.5))
-        prompt = self.tokenizer.encode(self.template.render(messages))
+        # Clients send a call's arguments back spaced as json.dumps writes them, or compact.
+        conv = conversation(sample, mode, compact=mode.tool_result and bool(rng.random() < 0.25))
+        prompt = self.tokenizer.encode(self.template.render([*messages, *conv.follow_up], **conv.variables))
         inputs = encoder_inputs(sample)
         rows = [self.vision.num_tokens(item) if kind == "vision" else self.audio.num_tokens(item)
                 for kind, item in inputs]
         ids, offsets = expand_placeholders(prompt, list(zip(sample.media, rows)), self.placeholder_ids)
         media = [(kind, item, offset) for (kind, item), offset in zip(inputs, offsets)]
         answer_start = len(ids)
-        ids += self.tokenizer.encode(sample.answer) + [self.end]
-        return Example(sample.task, ids, answer_start, media)
+        ids += self.tokenizer.encode(conv.output) + [self.end]
+        return Example(meter_label(sample.task, mode), ids, answer_start, media, self._parts(ids, answer_start, conv))
+
+    def _parts(self, ids: list[int], answer_start: int, conv: Conversation) -> tuple[int, ...]:
+        if conv.reasoning is None:
+            return (answer_start,)
+        # </think> is one token (an added token, so the text around it tokenizes alone).
+        return answer_start, ids.index(self.think_close, answer_start) + 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -351,13 +545,18 @@ class _Meter:
     def accuracy(self) -> dict[str, float]:
         return {t: sum(d) / len(d) for t, d in sorted(self.correct.items()) if d}
 
-    def converged(self, target: float) -> bool:
-        accs = self.accuracy()
-        full = all(len(self.correct.get(t, ())) >= self.window for t in TASKS)
-        return full and min(accs.values()) >= target
+    def converged(self, target: float, labels: Sequence[str]) -> bool:
+        """Every one of ``labels`` seen a whole window of times, and each accurate enough."""
+        full = all(len(self.correct.get(t, ())) >= self.window for t in labels)
+        return full and min(self.accuracy().values()) >= target
 
 
-ANSWER_TOKENS_WEIGHED = 5
+def _token_weights(ex: Example, weighed: int) -> list[float]:
+    bounds = [*ex.part_starts, len(ex.ids)]
+    weights: list[float] = []
+    for start, end in itertools.pairwise(bounds):
+        weights += [1.0 / max(1.0, (end - start) / weighed)] * (end - start)
+    return weights
 
 
 def _loss(model: DemoModel, examples: list[Example], cfg: TrainConfig, meter: _Meter) -> tuple[torch.Tensor, dict]:
@@ -370,11 +569,13 @@ def _loss(model: DemoModel, examples: list[Example], cfg: TrainConfig, meter: _M
     logits = model.llm.compute_logits(hidden[pred_pos])
     # A one-word answer's word is the signal, not to be drowned by long templated
     # descriptions: an answer's tokens share a weight of 1, or of their count up to
-    # ANSWER_TOKENS_WEIGHED. The templated tokens of a description are soon predicted
+    # cfg.answer_tokens_weighed. The templated tokens of a description are soon predicted
     # with ~zero loss, so its few telling words (colour, shape, direction) then carry
     # about as much weight each as a one-word answer.
-    weights = torch.tensor([1.0 / max(1.0, (len(ex.ids) - ex.answer_start) / ANSWER_TOKENS_WEIGHED)
-                            for ex in examples for _ in range(ex.answer_start, len(ex.ids))]) / len(examples)
+    # A thinking answer's reasoning and its answer proper are weighed as two answers:
+    # the one word that matters must not weigh less for a reasoning before it.
+    weights = torch.tensor([w for ex in examples for w in _token_weights(ex, cfg.answer_tokens_weighed)])
+    weights = weights / len(examples)
     loss = (F.cross_entropy(logits, targets, reduction="none") * weights).sum()
     # Teacher-forced exact match per example, for the convergence meter.
     hits = (logits.argmax(-1) == targets).tolist()
@@ -466,6 +667,16 @@ TASK_WEIGHTS: dict[str, float] = {
     "video_blink": 1.25,
     "image_color": 0.5,
     "video_color": 0.5,
+    # Three exchanges (the call, the answer from the result, no tool listed), the
+    # reply copying numbers from the result.
+    "video_info": 5.0,
+}
+# How a video_info question is asked: the tool listed and not called yet, its result
+# in, or no tool listed (the model must then never call one).
+TOOL_EXCHANGES: dict[Mode, float] = {
+    Mode(tools=True): 0.4,
+    Mode(tools=True, tool_result=True): 0.45,
+    Mode(): 0.15,
 }
 # Before the last phase: colours carry the first signal through the vision path,
 # pitch needs few examples (drawn only from the last phase, one run never told high
@@ -484,42 +695,132 @@ def _task_probabilities(pool: Sequence[str]) -> np.ndarray:
     return weights / weights.sum()
 
 
-def _batches(builder: ExampleBuilder, cfg: TrainConfig, clock: _Clock) -> Iterator[list[Example]]:
+def draw_mode(task: str, rng: np.random.Generator, cfg: TrainConfig, thinking: bool) -> Mode:
+    """How a sample of the full mix is asked: the other tasks with the tool listed
+    now and then (and the same answer), the file questions in one of the exchanges."""
+    if task == "video_info":
+        modes = list(TOOL_EXCHANGES)
+        weights = np.array(list(TOOL_EXCHANGES.values()))
+        mode = modes[int(rng.choice(len(modes), p=weights / weights.sum()))]
+        return Mode(mode.tools, thinking, mode.tool_result)
+    return Mode(tools=bool(rng.random() < cfg.tools_share), thinking=thinking)
+
+
+def mix_labels() -> tuple[str, ...]:
+    """Every meter label the full mix produces."""
+    plain = tuple(t for t in TASKS if t != "video_info")
+    tool = tuple(dict.fromkeys(meter_label("video_info", m) for m in TOOL_EXCHANGES))
+    return (*plain, "thinking", "tools_listed", *tool)
+
+
+def _batches(builder: ExampleBuilder, cfg: TrainConfig, clock: _Clock, curriculum: bool) -> Iterator[list[Example]]:
+    """Batches of fresh samples: along the curriculum from scratch, the full mix
+    (every task, every way of asking) when fine-tuning."""
     rng = np.random.default_rng(cfg.seed + 7)
     step = 0
     while True:
-        pool = task_pool(clock.progress(step))
-        tasks = rng.choice(len(pool), size=cfg.batch_size, p=_task_probabilities(pool))
-        samples = [make_sample(rng, pool[int(t)]) for t in tasks]
-        yield [builder.build(s, rng) for s in samples]
+        pool = task_pool(clock.progress(step)) if curriculum else TASKS
+        # Thinking and tools wait for the last phase: the early phases teach perception.
+        draws = [_draw(rng, pool, cfg, full_mix=pool == TASKS) for _ in range(cfg.batch_size)]
+        yield [builder.build(make_sample(rng, task), rng, mode) for task, mode in draws]
         step += 1
 
 
-def train_demo(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), progress: bool = True) -> dict:
-    """Train and write the checkpoint to ``out_dir``; returns a summary."""
-    torch.manual_seed(cfg.seed)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def _draw(rng: np.random.Generator, pool: Sequence[str], cfg: TrainConfig, full_mix: bool) -> tuple[str, Mode]:
+    """One example's task and way of asking. A thinking example's task is drawn
+    uniformly: each kind of question has its own reasoning to learn, however rarely
+    its answers need practice."""
+    if full_mix and rng.random() < cfg.thinking_share:
+        task = pool[int(rng.integers(len(pool)))]
+        return task, draw_mode(task, rng, cfg, thinking=True)
+    task = pool[int(rng.choice(len(pool), p=_task_probabilities(pool)))]
+    return task, draw_mode(task, rng, cfg, thinking=False) if full_mix else PLAIN
+
+
+@dataclass(frozen=True)
+class _Start:
+    """What training starts from: the tokenizer, and the model with its LLM config."""
+
+    tokenizer: HFTokenizer
+    config: ModelConfig
+    model: DemoModel
+
+
+def _from_scratch(cfg: TrainConfig) -> _Start:
     hf_tokenizer = build_tokenizer(cfg.seed)
-    hf_tokenizer.save(str(out / "tokenizer.json"))
-    tokenizer = Tokenizer(out / "tokenizer.json")
-    config = demo_llm_config(hf_tokenizer.get_vocab_size(), tokenizer.token_to_id("<|im_end|>"))
+    config = demo_llm_config(hf_tokenizer.get_vocab_size(), hf_tokenizer.token_to_id("<|im_end|>"))
     vision, audio = VisionEncoder(DEMO_VISION), AudioEncoder(DEMO_AUDIO)
     _init_encoder(vision, cfg.seed + 1)
     _init_encoder(audio, cfg.seed + 2)
-    model = DemoModel(_init_llm(config, cfg.seed), vision.train(), audio.train())
+    return _Start(hf_tokenizer, config, DemoModel(_init_llm(config, cfg.seed), vision.train(), audio.train()))
+
+
+def _from_checkpoint(init: Path, cfg: TrainConfig) -> _Start:
+    """A trained demo checkpoint, its tokenizer grown for the dialogue skills (and the
+    LLM given rows for the new tokens) if it was trained before them."""
+    old_tokenizer = HFTokenizer.from_file(str(init / "tokenizer.json"))
+    hf_tokenizer = with_dialogue_vocabulary(HFTokenizer.from_str(old_tokenizer.to_str()), cfg.seed)
+    llm = _grow_vocab(load_model(init), _token_sources(old_tokenizer, hf_tokenizer), cfg.seed)
+    encoders = load_encoders(init)
+    vision, audio = encoders["vision"], encoders["audio"]
+    assert isinstance(vision, VisionEncoder) and isinstance(audio, AudioEncoder)
+    for encoder in (vision, audio):
+        encoder.requires_grad_(not cfg.freeze_encoders).train(not cfg.freeze_encoders)
+    return _Start(hf_tokenizer, llm.config, DemoModel(llm.train(), vision, audio))
+
+
+def _token_sources(old: HFTokenizer, new: HFTokenizer) -> list[list[int]]:
+    """For each token ``new`` has past ``old``'s vocabulary, the old tokens its text
+    was made of."""
+    start = old.get_vocab_size()
+    return [old.encode(new.decode([i], skip_special_tokens=False)).ids for i in range(start, new.get_vocab_size())]
+
+
+def _grow_vocab(llm: MiMoV2ForCausalLM, sources: Sequence[Sequence[int]], seed: int) -> MiMoV2ForCausalLM:
+    """A trainable copy of ``llm`` with a row for each new token (``sources``: the old
+    tokens it is made of). A new token's embedding and output rows start at the mean
+    of its pieces' -- "Ġframe" means what "Ġf r a m e" meant -- plus a little noise,
+    so no two new tokens start alike."""
+    old = llm.config.vocab_size
+    config = dataclasses.replace(llm.config, vocab_size=old + len(sources))
+    state = llm.state_dict()
+    generator = torch.Generator().manual_seed(seed + 3)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = state[name]
+        means = torch.stack([rows[list(pieces)].mean(0) if pieces else rows.mean(0) for pieces in sources])
+        noise = torch.randn(means.shape, generator=generator) * rows.std(0) * 0.1
+        state[name] = torch.cat((rows, means + noise))
+    grown = MiMoV2ForCausalLM(config)
+    grown.load_state_dict(state)
+    return grown.requires_grad_(True)
+
+
+def train_demo(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), progress: bool = True,
+               init: str | Path | None = None) -> dict:
+    """Train and write the checkpoint to ``out_dir``; returns a summary. ``init``: a
+    trained demo checkpoint to fine-tune (see ``finetune_config``) on the full mix;
+    without it, everything trains from random weights along the curriculum."""
+    torch.manual_seed(cfg.seed)
+    # Everything is read before anything is written: ``out_dir`` may be ``init``.
+    start = _from_scratch(cfg) if init is None else _from_checkpoint(Path(init), cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start.tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer = Tokenizer(out / "tokenizer.json")
+    model, config = start.model, start.config
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() <= 1]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=(0.9, 0.98),
     )
-    builder = ExampleBuilder(tokenizer, vision, audio)
+    builder = ExampleBuilder(tokenizer, model.vision, model.audio)
     meter = _Meter(cfg.accuracy_window)
     clock = _Clock(cfg)
+    labels = mix_labels()
     bar = tqdm(total=cfg.max_steps, disable=not progress, desc="train-demo", unit="step")
     step, stats = 0, {}
-    for step, examples in enumerate(_batches(builder, cfg, clock)):
+    for step, examples in enumerate(_batches(builder, cfg, clock, curriculum=init is None)):
         if step >= cfg.max_steps or clock.minutes() > cfg.max_minutes:
             break
         for group in optimizer.param_groups:
@@ -527,7 +828,7 @@ def train_demo(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), progress: 
         loss, stats = _loss(model, examples, cfg, meter)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         optimizer.step()
         bar.update(1)
         if step % cfg.log_every == 0:
@@ -539,14 +840,13 @@ def train_demo(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), progress: 
             depths = " ".join(f"{stats[f'mtp{j}']:.4f}" for j in range(config.num_mtp_layers))
             bar.write(f"step {step} ({minutes:.1f} min) loss {stats['loss']:.4f} mtp {depths} "
                       + " ".join(f"{t}={a:.2f}" for t, a in meter.accuracy().items()))
-        if meter.converged(cfg.target_accuracy):
+        if meter.converged(cfg.target_accuracy, labels):
             break
     bar.close()
     model.eval()
     save_model(model.llm, out)
-    import json
-
     (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
-    add_encoders(out, vision, audio, DEMO_PREPROCESSOR_CONFIG)
+    add_encoders(out, model.vision, model.audio, DEMO_PREPROCESSOR_CONFIG, chat_template=DEMO_CHAT_TEMPLATE)
     minutes = clock.minutes()
-    return {"steps": step, "minutes": round(minutes, 2), "train_accuracy": meter.accuracy(), **stats}
+    return {"steps": step, "minutes": round(minutes, 2), "init": None if init is None else str(init),
+            "train_accuracy": meter.accuracy(), **stats}

@@ -2,6 +2,11 @@
 
 Short videos of one coloured shape on a black background, still images of one shape,
 and tone-beep audio, each with a plain-English question and a short lowercase answer.
+One task (``video_info``) asks about the video file itself (its frame rate, size or
+duration), which the frames cannot tell: its answer is a call of the one tool the
+demo knows (``VIDEO_INFO_TOOL``), and ``tool_exchange`` gives the tool's result and
+the answer in words that follows it. ``reasoning`` is what the model thinks before
+answering in thinking mode.
 
 One ``Scene`` (a frozen description) is rendered two ways that must agree:
 
@@ -35,12 +40,14 @@ no global state.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import wave
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -89,6 +96,7 @@ TASKS = (
     "audio_pitch",
     "video_audio_beeps",
     "describe",
+    "video_info",  # last: the eval set's other tasks keep their generators (spawn key = index)
 )
 
 # A shape's side / diameter as a fraction of the frame's shorter side: 18..24 px of 56.
@@ -424,6 +432,117 @@ def _beeps(rng: np.random.Generator, count: int, seconds: float | None) -> Beeps
     )
 
 
+# ------------------------------------------------------------ the tool, and reasoning
+
+# The one tool the demo model learns: a property of the user's video file. The frames
+# the model sees are resized and resampled, so the file's own numbers must come from
+# the client's side of the exchange.
+VIDEO_TOOL_NAME = "get_video_info"
+VIDEO_PROPERTIES = ("frame_rate", "width", "height", "duration")
+VIDEO_INFO_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": VIDEO_TOOL_NAME,
+        "description": "Get a property of the video file: its frame rate, width, height or duration.",
+        "parameters": {
+            "type": "object",
+            "properties": {"property": {"type": "string", "enum": list(VIDEO_PROPERTIES)}},
+            "required": ["property"],
+        },
+    },
+}
+PROPERTY_QUESTIONS: dict[str, str] = {
+    "frame_rate": "What is the frame rate of this video?",
+    "width": "What is the width of this video?",
+    "height": "What is the height of this video?",
+    "duration": "What is the duration of this video?",
+}
+# Asked without the tool, the model says so instead of calling a tool it was not given.
+NO_TOOL_ANSWER = "i cannot tell from the frames alone"
+_PROPERTY_WORDS = {"frame_rate": "frame rate", "width": "width", "height": "height", "duration": "duration"}
+_REPLIES = {
+    "frame_rate": "The video has {} frames per second.",
+    "width": "The video is {} pixels wide.",
+    "height": "The video is {} pixels high.",
+    "duration": "The video lasts {} seconds.",
+}
+
+# Thinking mode: a short reasoning before the answer that depends on the kind of
+# question only, so the model learns the habit, not a second way to perceive.
+REASONING: dict[str, str] = {
+    "video_direction": "The question asks which way the shape moves, so I follow it from frame to frame.",
+    "video_blink": "The question asks how many times the light blinks, so I count the flashes.",
+    "video_color": "The question asks which colour the shape turns, so I compare the first and last frames.",
+    "image_shape": "The question asks for the shape, so I look at its outline in the picture.",
+    "image_color": "The question asks for the colour of the shape, so I look at the picture.",
+    "audio_beeps": "The question asks how many beeps there are, so I count them in the sound.",
+    "audio_pitch": "The question asks whether the beeps are high or low, so I listen to their pitch.",
+    "video_audio_beeps": "The question asks how many beeps the video has, so I count them in its sound track.",
+    "describe": "The question asks for a description, so I say what moves, where, and what I hear.",
+}
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A call as the model writes it (and the chat template renders it back): one
+    ``<tool_call>`` block holding JSON with exactly ``name`` then ``arguments``."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def video_property(scene: Scene, prop: str) -> int | float:
+    """What ``get_video_info`` returns for a written file of the scene: frame rates as
+    a number of frames per second (NTSC rates to 3 decimals), sides in pixels, the
+    duration in seconds; whole numbers as integers."""
+    if scene.kind != "video" or scene.fps is None:
+        raise ValueError("get_video_info is about a video")
+    values: dict[str, float] = {
+        "frame_rate": round(float(scene.fps), 3),
+        "width": scene.width,
+        "height": scene.height,
+        "duration": round(float(video_frame_count(scene.fps) / scene.fps), 3),
+    }
+    try:
+        value = values[prop]
+    except KeyError:
+        raise ValueError(f"unknown property {prop!r}; expected one of {VIDEO_PROPERTIES}") from None
+    return int(value) if float(value).is_integer() else value
+
+
+@dataclass(frozen=True)
+class ToolExchange:
+    """The rest of a ``video_info`` conversation once the model has called the tool."""
+
+    prop: str
+    arguments: dict[str, Any]
+    result: str  # the tool message's content: JSON, e.g. {"frame_rate": 25}
+    reply: str  # the model's answer in words after reading the result
+
+
+def tool_exchange(scene: Scene, prop: str) -> ToolExchange:
+    value = video_property(scene, prop)
+    return ToolExchange(prop, {"property": prop}, json.dumps({prop: value}), _REPLIES[prop].format(value))
+
+
+def question_property(question: str) -> str:
+    """The property a ``video_info`` question asks for."""
+    for prop, asked in PROPERTY_QUESTIONS.items():
+        if asked == question:
+            return prop
+    raise ValueError(f"not a video_info question: {question!r}")
+
+
+def reasoning(sample: Sample, *, tools: bool = False, tool_result: bool = False) -> str:
+    """The thinking-mode reasoning before the answer: fixed per kind of question; for
+    the file questions it names the property and says what the tool is for."""
+    if sample.task != "video_info":
+        return REASONING[sample.task]
+    words = _PROPERTY_WORDS[question_property(sample.question)]
+    if tool_result:
+        return f"The tool returned the {words} of the file, so I report it."
+    if tools:
+        return f"The question asks for the {words} of the file, so I call {VIDEO_TOOL_NAME}."
+    return f"The question asks for the {words} of the file, and I have no tool to read it."
+
+
 # ---------------------------------------------------------------------------- tasks
 
 # A task builds (scene, question, answer); make_sample renders the scene.
@@ -518,6 +637,18 @@ def _describe(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
     return scene(shape), "Describe the video.", ". ".join(sentences)
 
 
+def _video_info(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
+    """A question about the file itself, which the frames cannot answer: the answer is
+    a call of the video tool (see ``tool_exchange`` for the rest of the exchange)."""
+    frame, scene = _video(rng, fmt)
+    if rng.integers(2):
+        shape = _moving_shape(rng, _pick(rng, DIRECTIONS), frame)
+    else:
+        shape = _static_shape(rng, frame)
+    prop = _pick(rng, VIDEO_PROPERTIES)
+    return scene(shape), PROPERTY_QUESTIONS[prop], tool_call_text(VIDEO_TOOL_NAME, {"property": prop})
+
+
 _TASK_BUILDERS: dict[str, Callable[[np.random.Generator, MediaFormat], _Built]] = {
     "video_direction": _video_direction,
     "video_blink": _video_blink,
@@ -528,6 +659,7 @@ _TASK_BUILDERS: dict[str, Callable[[np.random.Generator, MediaFormat], _Built]] 
     "audio_pitch": _audio_pitch,
     "video_audio_beeps": _video_audio_beeps,
     "describe": _describe,
+    "video_info": _video_info,
 }
 assert tuple(_TASK_BUILDERS) == TASKS
 

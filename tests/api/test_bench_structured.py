@@ -19,9 +19,8 @@ def test_bench_prints_both_rates_and_their_ratio() -> None:
     result = structured_bench(DEMO, batch=2, max_tokens=24, repeats=1)
     for figures in (result, result["without_drafts"]):
         assert figures["constrained_tok_s"] > 0 and figures["unconstrained_tok_s"] > 0
-        # The rates are rounded to 0.1 tok/s, the ratio is taken before rounding.
         assert figures["ratio"] == pytest.approx(figures["constrained_tok_s"] / figures["unconstrained_tok_s"],
-                                                 rel=0.05)
+                                                 abs=2e-3)
     assert result["speculative_tokens"] > 0 and result["without_drafts"]["speculative_tokens"] == 0
     json.dumps(result)
 

@@ -6,6 +6,7 @@ server decodes from written files."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import time
 from fractions import Fraction
@@ -25,6 +26,8 @@ from api.demo.world import (
     SAMPLED_FRAMES,
     SHAPES,
     TASKS,
+    VIDEO_INFO_TOOL,
+    VIDEO_PROPERTIES,
     VIDEO_SECONDS,
     MediaFormat,
     Sample,
@@ -32,11 +35,15 @@ from api.demo.world import (
     make_eval_set,
     make_sample,
     make_scene,
+    question_property,
+    reasoning,
     sample_stream,
     sampled_frame_indices,
     sampled_frame_times,
+    tool_exchange,
     video_frame_count,
     video_frame_times,
+    video_property,
     write_media,
 )
 from encoders.presets import DEMO_PREPROCESS
@@ -64,6 +71,10 @@ VOCAB: dict[str, set[str]] = {
         for s in SHAPES
         for d in DIRECTIONS
     },
+    "video_info": {
+        f'<tool_call>{{"name": "get_video_info", "arguments": {{"property": "{p}"}}}}</tool_call>'
+        for p in VIDEO_PROPERTIES
+    },
 }
 MEDIA = {
     "video_direction": ("video",),
@@ -75,6 +86,7 @@ MEDIA = {
     "audio_pitch": ("audio",),
     "video_audio_beeps": ("video", "audio"),
     "describe": ("video",),
+    "video_info": ("video",),
 }
 VIDEO_TASKS = tuple(t for t in TASKS if "video" in MEDIA[t])
 VISUAL_TASKS = tuple(t for t in TASKS if {"video", "image"} & set(MEDIA[t]))
@@ -309,6 +321,49 @@ def test_media_format_can_be_fixed() -> None:
         make_sample(rng, "image_shape", MediaFormat(size=(55, 96)))
     with pytest.raises(ValueError, match="fps"):
         make_sample(rng, "video_blink", MediaFormat(fps=5))
+
+
+def test_video_info_asks_for_a_property_of_the_file() -> None:
+    samples = samples_of("video_info", 80)
+    assert {question_property(s.question) for s in samples} == set(VIDEO_PROPERTIES)
+    assert all(s.scene.beeps is None for s in samples)  # no sound track: one video part
+    for s in samples:
+        prop = question_property(s.question)
+        assert f'"property": "{prop}"' in s.answer
+        exchange = tool_exchange(s.scene, prop)
+        value = video_property(s.scene, prop)
+        assert exchange.arguments == {"property": prop} and json.loads(exchange.result) == {prop: value}
+        assert str(value) in exchange.reply and exchange.reply.endswith(".")
+    assert VIDEO_INFO_TOOL["function"]["parameters"]["properties"]["property"]["enum"] == list(VIDEO_PROPERTIES)
+    with pytest.raises(ValueError, match="not a video_info question"):
+        question_property("Describe the video.")
+
+
+@pytest.mark.parametrize("fps", [Fraction(30000, 1001), Fraction(25), Fraction(13)])
+def test_video_properties_are_what_a_prober_reads_from_the_file(fps: Fraction, tmp_path: Path) -> None:
+    s = make_sample(np.random.default_rng(4), "video_info", MediaFormat(size=(320, 240), fps=fps))
+    info = probe_video(write_media(s, tmp_path, "clip")[0])
+    found = {"frame_rate": info.fps, "width": info.width, "height": info.height, "duration": info.duration}
+    for prop, value in found.items():
+        assert video_property(s.scene, prop) == round(value, 3)
+    assert video_property(s.scene, "width") == 320 and isinstance(video_property(s.scene, "width"), int)
+    assert tool_exchange(s.scene, "width").reply == "The video is 320 pixels wide."
+    assert tool_exchange(s.scene, "frame_rate").result == json.dumps({"frame_rate": round(float(fps), 3)}).replace(
+        ".0}", "}")
+    with pytest.raises(ValueError, match="about a video"):
+        video_property(samples_of("image_shape", 1)[0].scene, "width")
+    with pytest.raises(ValueError, match="unknown property"):
+        video_property(s.scene, "codec")
+
+
+def test_reasoning_depends_on_the_kind_of_question_only() -> None:
+    for task in TASKS:
+        thoughts = {reasoning(s, tools=True) for s in samples_of(task, 30)}
+        expected = 4 if task == "video_info" else 1  # the file questions name their property
+        assert len(thoughts) == expected, (task, thoughts)
+    s = samples_of("video_info", 1)[0]
+    assert "get_video_info" in reasoning(s, tools=True) and "no tool" in reasoning(s)
+    assert "returned" in reasoning(s, tools=True, tool_result=True)
 
 
 def test_questions_name_the_shape() -> None:
