@@ -6,6 +6,7 @@ COPY api ./api
 COPY media ./media
 COPY encoders ./encoders
 COPY embedding_cache ./embedding_cache
+COPY demo ./demo
 RUN pip install --no-cache-dir .
 ENV SWALLOW_HOME=/models
 # The API's HTTP port; workers (ZeroMQ, health) and encoders (ZeroMQ, health and /internal/embeddings).

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from api.demo.evaluate import EVAL_SEED, _request
-from api.demo.world import make_eval_set, write_media
+from demo.evaluate import EVAL_SEED, _request
+from demo.world import make_eval_set, write_media
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel
 from api.server import ChatService

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from api.demo.train import demo_llm_config
+from demo.train import demo_llm_config
 from llm_core import LLM, SamplingParams
 from llm_core.bench.prefix_cache import TokenFactory, TraceRequest, load_trace, trace_page_size
 from llm_core.bench.schedule import (

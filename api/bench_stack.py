@@ -69,7 +69,7 @@ SYSTEM_PROMPT = (
     "description."
 )
 
-# The demo world's tasks by the media a conversation starts with (``api/demo/world.py``).
+# The demo world's tasks by the media a conversation starts with (``demo/world.py``).
 MEDIA_TASKS: dict[str, tuple[str, ...]] = {
     "video": ("video_direction", "video_blink", "video_color", "describe", "video_audio_beeps"),
     "image": ("image_shape", "image_color"),
@@ -180,7 +180,7 @@ class Workload:
 
 
 def _clip(seed: int, index: int, task: str) -> MediaClip:
-    from api.demo.world import make_scene
+    from demo.world import make_scene
 
     scene, question, _ = make_scene(np.random.default_rng([seed, index]), task)
     return MediaClip(f"clip-{index}", task, seed, index, scene.media, question)
@@ -297,7 +297,7 @@ class TurnResult:
 
 def write_clips(workload: Workload, directory: Path) -> dict[str, Path]:
     """Each clip of the workload as a file (mp4 / png / wav)."""
-    from api.demo.world import make_sample, write_media
+    from demo.world import make_sample, write_media
 
     files = {}
     for clip in workload.clips:
@@ -638,7 +638,7 @@ def _warm_up(url: str, files: Sequence[Path], rounds: int) -> None:
 
 
 def _warm_up_files(seed: int, directory: Path) -> list[Path]:
-    from api.demo.world import make_sample, write_media
+    from demo.world import make_sample, write_media
 
     paths = []
     for i, task in enumerate(("video_audio_beeps", "image_shape", "audio_beeps")):

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from api.demo.world import TASKS, make_scene
+from demo.world import TASKS, make_scene
 from llm_core import LLM, SamplingParams
 from llm_core.chat import ChatTemplate
 from llm_core.grammar import GrammarSpec

@@ -89,7 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _train_demo(args: argparse.Namespace) -> int:
     import json
 
-    from api.demo.train import TrainConfig, finetune_config, train_demo
+    from demo.train import TrainConfig, finetune_config, train_demo
 
     given = {"seed": args.seed, "batch_size": args.batch_size, "max_steps": args.max_steps,
              "max_minutes": args.max_minutes}
@@ -104,7 +104,7 @@ def _train_demo(args: argparse.Namespace) -> int:
 def _eval_demo(args: argparse.Namespace) -> int:
     import json
 
-    from api.demo.evaluate import EVAL_SEED, eval_demo
+    from demo.evaluate import EVAL_SEED, eval_demo
 
     model = Path(args.model) if args.model else DEMO_MODEL_DIR
     result = eval_demo(model, seed=args.seed if args.seed is not None else EVAL_SEED, per_task=args.per_task)
@@ -113,7 +113,7 @@ def _eval_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from api.demo.evaluate import ask
+    from demo.evaluate import ask
 
     model = Path(args.model) if args.model else _ensure_default_model()
     print(ask(model, args.question, [args.video]))

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from api.bench_schedule import VOCAB, calibrated_cost, engine_replay, scaled_trace
-from api.demo.train import demo_llm_config
+from demo.train import demo_llm_config
 from llm_core import LLM
 from llm_core.bench.prefix_cache import load_trace
 from llm_core.bench.schedule import StepShape

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from api.demo.evaluate import _answer, _request
-from api.demo.world import make_eval_set, write_media
+from demo.evaluate import _answer, _request
+from demo.world import make_eval_set, write_media
 from api.launch import RunningStack, launch_stack
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel

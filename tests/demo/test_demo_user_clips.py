@@ -1,7 +1,7 @@
 """The committed demo model on clips like the ones users send: drawn here with plain
 numpy (not the demo world's renderer), at the frame sizes and rates of everyday
 files, encoded by PyAV to H.264 MP4 at an ordinary quality, and asked through the
-server's own path (``api.demo.evaluate.ask_many``: file parts -> PyAV decode ->
+server's own path (``demo.evaluate.ask_many``: file parts -> PyAV decode ->
 embedding cache -> encoders -> chat template -> engine)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from api.cli import DEMO_MODEL_DIR
-from api.demo.evaluate import ask_many
-from api.demo.world import answer_matches
+from demo.evaluate import ask_many
+from demo.world import answer_matches
 
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").exists(),
                                 reason="the demo model is not in this checkout")

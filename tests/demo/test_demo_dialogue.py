@@ -1,4 +1,4 @@
-"""api.demo.dialogue: the demo model's chat template (tools, tool calls and results,
+"""demo.dialogue: the demo model's chat template (tools, tool calls and results,
 thinking) and the conversations training and evaluation build from world samples."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from api.cli import DEMO_MODEL_DIR
-from api.demo.dialogue import (
+from demo.dialogue import (
     ADDED_TOKENS,
     DEMO_CHAT_TEMPLATE,
     THINK_CLOSE,
@@ -23,7 +23,7 @@ from api.demo.dialogue import (
     split_reasoning,
     tool_call_message,
 )
-from api.demo.world import (
+from demo.world import (
     NO_TOOL_ANSWER,
     REASONING,
     TASKS,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from api.cli import DEMO_MODEL_DIR, _ensure_default_model, main
-from api.demo.evaluate import ask, eval_demo
-from api.demo.train import PackedCausalAttention, TrainConfig, train_demo
-from api.demo.world import answer_matches, make_sample, write_media
+from demo.evaluate import ask, eval_demo
+from demo.train import PackedCausalAttention, TrainConfig, train_demo
+from demo.world import answer_matches, make_sample, write_media
 from llm_core import LLM
 from llm_core.attention import attention_reference
 from llm_core.config import AttentionSpec

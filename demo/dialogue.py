@@ -2,7 +2,7 @@
 is asked (with or without the video tool, with or without thinking, before or after
 the tool's result), each with the exact output the model is trained to give.
 
-Training (``api.demo.train``) and evaluation (``api.demo.evaluate``) both build
+Training (``demo.train``) and evaluation (``demo.evaluate``) both build
 their conversations here, so what the model learns is what the eval asks.
 
 The template is ChatML with Qwen2-VL-style media markers (``llm_core.chat``'s
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from api.demo.world import (
+from demo.world import (
     NO_TOOL_ANSWER,
     VIDEO_INFO_TOOL,
     VIDEO_TOOL_NAME,

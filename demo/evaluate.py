@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from api.chat import ChatRequest, parse_chat_request
-from api.demo.dialogue import (
+from demo.dialogue import (
     Conversation,
     Mode,
     ToolCall,
@@ -36,7 +36,7 @@ from api.demo.dialogue import (
     parse_tool_calls,
     split_reasoning,
 )
-from api.demo.world import (
+from demo.world import (
     TASKS,
     VIDEO_PROPERTIES,
     VIDEO_TOOL_NAME,

@@ -5,7 +5,7 @@ Qwen2.5-VL-style vision tower, the Whisper-style audio tower, their projectors, 
 this project's MiMo-V2 LLM (hybrid full/sliding attention with a 32-token window,
 sinks, MoE, three chained MTP layers, layer j trained on token t+j+2). Inputs go
 through exactly the preprocessing the server uses (``media.preprocess_*``,
-``media.audio_features``) and the demo's chat template (``api.demo.dialogue``), so
+``media.audio_features``) and the demo's chat template (``demo.dialogue``), so
 the trained checkpoint answers through the normal serving path.
 
 ``init`` fine-tunes a trained checkpoint instead: the full mix of tasks and ways of
@@ -39,7 +39,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 from tqdm import tqdm
 
-from api.demo.dialogue import (
+from demo.dialogue import (
     ADDED_TOKENS,
     DEMO_CHAT_TEMPLATE,
     THINK_CLOSE,
@@ -47,7 +47,7 @@ from api.demo.dialogue import (
     Mode,
     conversation,
 )
-from api.demo.world import (
+from demo.world import (
     COLORS,
     DIRECTIONS,
     SHAPES,

@@ -1,4 +1,4 @@
-"""api.demo.world: the synthetic world's questions/answers, its invariants (shapes inside
+"""demo.world: the synthetic world's questions/answers, its invariants (shapes inside
 the frame, separate blinks, countable beeps), its variety of frame sizes and rates,
 reproducibility, speed, and agreement between the in-memory training media and what the
 server decodes from written files."""
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from api.demo import world
-from api.demo.world import (
+from demo import world
+from demo.world import (
     COLORS,
     COMMON_RATES,
     COMMON_SIZES,
