@@ -453,7 +453,8 @@ class Engine:
         self._sampling[request_id] = _Sampling(params, frozenset(stop_ids), request_seed(params))
         # Prefix-cache keys see each span's content key, not its placeholder ids.
         cache_prompt = with_cache_tokens(prompt, spans) if spans else list(prompt)
-        seq = Sequence(request_id, cache_prompt, params.max_tokens, self.allocator.new_view())
+        seq = Sequence(request_id, cache_prompt, params.max_tokens, self.allocator.new_view(),
+                       media_ends=tuple(span.end for span in spans))
         self._sequences[request_id] = seq
         if spans:
             self._spans[request_id] = spans

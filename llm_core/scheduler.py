@@ -47,6 +47,9 @@ class Sequence:
     peeked: tuple[int, int] | None = None
     admitted: bool = False  # admitted at least once (its queue wait is counted)
     answered: bool = False  # its first token is out (its TTFT is counted)
+    # Prompt positions just past each media span: follow-up questions about the
+    # same picture or clip share the prompt up to there and branch after it.
+    media_ends: tuple[int, ...] = ()
 
     def tokens(self, end: int) -> list[int]:
         return self.token_slice(0, end)
@@ -451,18 +454,27 @@ class Scheduler:
                 seq.answered = True
                 self.ttft[self._bucket(seq)].observe(now - seq.arrival)
             if self.cache is not None:
-                prompt_end = len(seq.prompt) // self.allocator.full.page_size * self.allocator.full.page_size
+                durable = self._prompt_checkpoints(seq)
                 for boundary in self._checkpoints_crossed(seq, chunk.start):
                     self.cache.insert(seq.view, self.cache.page_keys(seq.tokens(boundary)), boundary,
-                                      seq.cache_lock, durable=boundary == prompt_end)  # type: ignore[arg-type]
+                                      seq.cache_lock, durable=boundary in durable)  # type: ignore[arg-type]
             self.allocator.release_out_of_window(seq.view, seq.num_computed)
 
-    def _checkpoints_crossed(self, seq: Sequence, start: int) -> list[int]:
-        """Checkpoint positions reached in this step: the prompt's last full
-        page, and every ``checkpoint_interval`` tokens."""
+    def _prompt_checkpoints(self, seq: Sequence) -> set[int]:
+        """Where the prompt keeps SWA for later requests (page-aligned down): its
+        last full page, and the ends of its media spans."""
         ps = self.allocator.full.page_size
         assert self.cache is not None
-        points = [len(seq.prompt)] if self.cache.prompt_checkpoints else []
+        if not self.cache.prompt_checkpoints:
+            return set()
+        return {p // ps * ps for p in (len(seq.prompt), *seq.media_ends)}
+
+    def _checkpoints_crossed(self, seq: Sequence, start: int) -> list[int]:
+        """Checkpoint positions reached in this step: the prompt's (see
+        ``_prompt_checkpoints``), and every ``checkpoint_interval`` tokens."""
+        ps = self.allocator.full.page_size
+        assert self.cache is not None
+        points: list[int] = [*self._prompt_checkpoints(seq)]
         if self.cache.checkpoint_interval:
             step = self.cache.checkpoint_interval
             points += range((start // step + 1) * step, seq.num_computed + 1, step)

@@ -217,6 +217,18 @@ def test_hit_ending_inside_a_span_resumes_mid_span(hf_checkpoint: Path, referenc
     _assert_clean(llm)
 
 
+def test_a_follow_up_question_about_the_same_image_hits_up_to_the_image(hf_checkpoint: Path, reference) -> None:
+    # No interval checkpoints: only the prompt's own (its last full page, and the
+    # end of its image) keep SWA for later requests.
+    llm = LLM(hf_checkpoint, page_size=4, checkpoint_interval=None)
+    span = _span(OFFSET, SPAN_LEN, seed=30)
+    prompt2 = PROMPT[: span.end] + _ids(33, 9)  # another question after the same image
+    cached, out = _run_twice(llm, span, span, prompt2)
+    assert cached == span.end // 4 * 4
+    assert out == reference(prompt2, [span])
+    _assert_clean(llm)
+
+
 # -------------------------------------------------------- lifecycle, errors
 def test_abort_mid_prefill_frees_kv_and_spans(hf_checkpoint: Path) -> None:
     llm = LLM(hf_checkpoint, chunked_prefill_size=8, max_num_batched_tokens=16)
