@@ -73,6 +73,15 @@ class ServerMetrics:
         self.pool_capacity = Gauge("swallow_kv_pool_capacity_tokens", "KV pool size in tokens", ["pool"], registry=r)
         self.pool_used = Gauge("swallow_kv_pool_used_tokens", "KV pool tokens in use", ["pool"], registry=r)
         self.pool_usage = Gauge("swallow_kv_pool_usage_ratio", "KV pool fraction in use (0..1)", ["pool"], registry=r)
+        self.pool_used_bytes = Gauge("swallow_kv_pool_used_bytes", "KV bytes in use in a pool", ["pool"], registry=r)
+        self.pool_token_bytes = Gauge("swallow_kv_pool_bytes_per_token", "KV bytes one token takes in a pool "
+                                      "(all of the pool's layers)", ["pool"], registry=r)
+        # What SWA saves, as one number to set beside the pools' bytes: a model of the
+        # same shape whose sliding-window layers attended to everything would hold
+        # every layer's KV for each token the full pool holds now.
+        self.full_attention_bytes = Gauge(
+            "swallow_kv_full_attention_equivalent_bytes",
+            "KV bytes a full-attention model of the same shape would hold for the tokens held now", registry=r)
         self.prefix_hit_rate = Gauge(
             "swallow_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache", registry=r
         )
@@ -134,6 +143,56 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def summary(self) -> dict[str, Any]:
+        """The demo page's panel: what SWA saves and what the caches reuse, read
+        back from this registry, so every number is one ``/metrics`` shows."""
+        value = self.registry.get_sample_value
+
+        def pool(name: str, metric: str) -> float:
+            return value(metric, {"pool": name}) or 0.0
+
+        in_use = pool("full", "swallow_kv_pool_used_bytes") + pool("swa", "swallow_kv_pool_used_bytes")
+        full_attention = value("swallow_kv_full_attention_equivalent_bytes") or 0.0
+        encoders = {}
+        for encoder in ("vision", "audio"):
+            batches = value("swallow_encoder_batch_size_count", {"encoder": encoder}) or 0.0
+            items = value("swallow_encoder_batch_size_sum", {"encoder": encoder}) or 0.0
+            encoders[encoder] = {"batches": int(batches), "items": int(items),
+                                 "mean_batch_size": round(items / batches, 3) if batches else 0.0}
+        lookups = {result: self._total("swallow_embedding_cache_requests_total", result=result)
+                   for result in ("hit", "miss")}
+        # The same memory given to a full-attention model of the same shape: every
+        # token would take every layer's KV.
+        memory = sum(pool(p, "swallow_kv_pool_capacity_tokens") * pool(p, "swallow_kv_pool_bytes_per_token")
+                     for p in ("full", "swa"))
+        every_layer = pool("full", "swallow_kv_pool_bytes_per_token") + pool("swa", "swallow_kv_pool_bytes_per_token")
+        capacity = int(pool("full", "swallow_kv_pool_capacity_tokens"))
+        capacity_full_attention = int(memory // every_layer) if every_layer else 0
+        return {
+            "kv_capacity_tokens": capacity,
+            "kv_capacity_tokens_full_attention": capacity_full_attention,
+            "kv_capacity_gain": round(capacity / capacity_full_attention, 3) if capacity_full_attention else None,
+            "kv_bytes_in_use": int(in_use),
+            "kv_bytes_full_attention": int(full_attention),
+            "kv_saving_ratio": round(full_attention / in_use, 3) if in_use else None,
+            "full_pool_tokens_used": int(pool("full", "swallow_kv_pool_used_tokens")),
+            "full_pool_capacity_tokens": int(pool("full", "swallow_kv_pool_capacity_tokens")),
+            "swa_slots_used": int(pool("swa", "swallow_kv_pool_used_tokens")),
+            "swa_slots_capacity": int(pool("swa", "swallow_kv_pool_capacity_tokens")),
+            "prefix_cache_hit_rate": value("swallow_prefix_cache_hit_rate") or 0.0,
+            "prefix_cache_cached_tokens": int(value("swallow_prefix_cache_cached_tokens") or 0),
+            "embedding_cache_hits": int(lookups["hit"]),
+            "embedding_cache_misses": int(lookups["miss"]),
+            "encoder_batches": encoders,
+            "requests_running": int(value("swallow_requests_running") or 0),
+            "requests_waiting": int(value("swallow_requests_waiting") or 0),
+        }
+
+    def _total(self, sample: str, **labels: str) -> float:
+        """The sum of ``sample``'s series whose labels include ``labels``."""
+        return sum(point.value for family in self.registry.collect() for point in family.samples
+                   if point.name == sample and labels.items() <= point.labels.items())
+
     def observe_request(self, endpoint: str, status: int) -> None:
         labels = {"endpoint": endpoint, "status": str(status)}
         self.requests.labels(**labels).inc()
@@ -152,9 +211,13 @@ class ServerMetrics:
 
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         """Mirror `LLM.stats()`: KV pools, prefix cache, queue depth, preemptions."""
-        for key, pool in stats.items():
-            if key.endswith("_pool") and isinstance(pool, dict):
-                self._set_pool(key.removesuffix("_pool"), pool)
+        pools = {key.removesuffix("_pool"): pool for key, pool in stats.items()
+                 if key.endswith("_pool") and isinstance(pool, dict)}
+        for name, pool in pools.items():
+            self._set_pool(name, pool)
+        if "full" in pools:
+            every_layer = sum(pool.get("bytes_per_token", 0) for pool in pools.values())
+            self.full_attention_bytes.set(_used_tokens(pools["full"]) * every_layer)
         cache = stats.get("prefix_cache")
         if cache is not None:  # None: prefix caching is off, nothing to report
             self.prefix_hit_rate.set(cache.get("hit_rate", 0.0))
@@ -209,10 +272,12 @@ class ServerMetrics:
 
     def _set_pool(self, pool: str, stats: dict[str, Any]) -> None:
         capacity = stats.get("capacity_tokens", 0)
-        used = capacity - stats.get("free_tokens", capacity)
+        used = _used_tokens(stats)
         self.pool_capacity.labels(pool=pool).set(capacity)
         self.pool_used.labels(pool=pool).set(used)
         self.pool_usage.labels(pool=pool).set(used / capacity if capacity else 0.0)
+        self.pool_used_bytes.labels(pool=pool).set(used * stats.get("bytes_per_token", 0))
+        self.pool_token_bytes.labels(pool=pool).set(stats.get("bytes_per_token", 0))
 
     def observe_encoder_batch(self, encoder: str, items: int) -> None:
         self.encoder_batch.labels(encoder=encoder).observe(items)
@@ -223,3 +288,9 @@ class ServerMetrics:
     def count_tokens(self, prompt: int, completion: int) -> None:
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(completion)
+
+
+def _used_tokens(pool: dict[str, Any]) -> int:
+    capacity = pool.get("capacity_tokens", 0)
+    return capacity - pool.get("free_tokens", capacity)
+

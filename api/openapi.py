@@ -352,6 +352,18 @@ def _paths(media_kinds: list[str]) -> dict[str, Any]:
         "/livez": {"get": _operation("Liveness: the process answers", _ok("Alive.", _json(_ref("Alive"))))},
         "/stats": {"get": _operation("Engine statistics", _ok("A snapshot.", _json(_ref("EngineStats"))))},
         "/metrics": {"get": _operation("Prometheus metrics", _ok("Text exposition format.", _text("plain")))},
+        "/metrics/summary": {"get": _operation(
+            "What SWA saves and what the caches reuse, from the same values as /metrics",
+            _ok("A snapshot.", _json(_ref("MetricsSummary"))))},
+        "/demo/samples": {"get": _operation(
+            "The demo page's sample media, with the questions the demo model understands",
+            _ok("The gallery.", _json(_ref("SampleGallery"))))},
+        "/demo/samples/{name}": {"get": _operation(
+            "One sample's media file", {
+                **_ok("The file.", {t: {"schema": {"type": "string", "contentMediaType": t}}
+                                    for t in ("video/mp4", "image/png", "audio/wav")}),
+                **_errors(404)},
+            parameters=[{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}])},
         "/openapi.json": {"get": _operation("This document", _ok("OpenAPI 3.1.", _json({"type": "object"})))},
         "/": {"get": _operation("The video-QA demo page", {**_ok("The page.", _text("html")), **_errors(404)})},
     }
@@ -749,6 +761,42 @@ def _response_schemas(media_kinds: list[str]) -> dict[str, Schema]:
         "PoolStats": _object({"capacity_tokens": {"type": "integer", "minimum": 0},
                               "free_tokens": {"type": "integer", "minimum": 0}}),
         "FlushResult": _object({"flushed": _const(True), "stats": _ref("EngineStats")}, ["flushed"]),
+        **_demo_schemas(),
+    }
+
+
+def _demo_schemas() -> dict[str, Schema]:
+    count = {"type": "integer", "minimum": 0}
+    encoder = _closed_object({"batches": count, "items": count, "mean_batch_size": {"type": "number", "minimum": 0}})
+    question = _closed_object({"text": {"type": "string"}, "answer": {"type": "string"}, "tools": {"type": "boolean"}})
+    return {
+        "MetricsSummary": _closed_object({
+            "kv_capacity_tokens": {**count, "description": "Tokens of context the KV pools hold at most."},
+            "kv_capacity_tokens_full_attention": {**count, "description": "What the same memory would hold for a "
+                                                  "full-attention model of the same shape."},
+            "kv_capacity_gain": _nullable({"type": "number", "minimum": 0}),
+            "kv_bytes_in_use": count,
+            "kv_bytes_full_attention": {**count, "description": "What a full-attention model of the same shape "
+                                        "would hold for the tokens held now."},
+            "kv_saving_ratio": _nullable({"type": "number", "minimum": 0}),
+            "full_pool_tokens_used": count, "full_pool_capacity_tokens": count,
+            "swa_slots_used": count, "swa_slots_capacity": count,
+            "prefix_cache_hit_rate": {"type": "number", "minimum": 0, "maximum": 1},
+            "prefix_cache_cached_tokens": count,
+            "embedding_cache_hits": count, "embedding_cache_misses": count,
+            "encoder_batches": _closed_object({"vision": encoder, "audio": encoder}),
+            "requests_running": count, "requests_waiting": count,
+        }),
+        "SampleGallery": _closed_object({
+            "samples": {"type": "array", "items": _closed_object({
+                "name": {"type": "string"}, "title": {"type": "string"},
+                "kind": {"enum": ["video", "image", "audio"]}, "url": {"type": "string"},
+                "filename": {"type": "string"}, "media_type": {"type": "string"}, "bytes": count,
+                "questions": {"type": "array", "items": question},
+            })},
+            "questions_by_kind": {"type": "object", "additionalProperties": {"type": "array",
+                                                                              "items": {"type": "string"}}},
+        }),
     }
 
 

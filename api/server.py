@@ -43,6 +43,7 @@ from api.textstream import TextStream
 from api.uploads import (
     FileStore, MultipartForm, StoredFile, UploadError, format_size, parse_multipart, refuse_declared_oversize,
 )
+from demo.samples import QUESTIONS_BY_KIND, SampleGallery
 from encoders import EncoderQueueFull
 from llm_core import MultimodalSpan, SamplingParams
 from llm_core.chat import ChatTemplateError, MediaPart, build_chat_prompt
@@ -167,6 +168,10 @@ class ChatService:
         return emb
 
     async def prompt(self, request: ChatRequest) -> tuple[list[int], list[MultimodalSpan | SpanRef]]:
+        built = await self.built_prompt(request)
+        return built.token_ids, built.spans
+
+    async def built_prompt(self, request: ChatRequest) -> ChatPrompt:
         tokenizer = self.model.tokenizer
         if tokenizer is None:
             raise BadRequest("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
@@ -176,7 +181,7 @@ class ChatService:
         built = build_chat_prompt(self.model.chat_template, tokenizer, messages, media, self.model.placeholder_ids,
                                   request.template_variables)
         self.model.check_length(len(built.token_ids), request.params.max_tokens)
-        return built.token_ids, built.spans
+        return ChatPrompt(built.token_ids, built.spans, len(embeddings), sum(emb.cached for emb in embeddings))
 
     async def _with_sound_tracks(
         self, messages: list[dict[str, Any]], refs: list[MediaRef]
@@ -342,6 +347,20 @@ class ChatService:
         if request.include_usage:
             yield _sse(envelope | {"choices": [], "usage": _chat_usage(gens[0].num_prompt_tokens, outputs)})
         yield "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt, and how many of its media embeddings the embedding cache had."""
+
+    token_ids: list[int]
+    spans: list[MultimodalSpan | SpanRef]
+    media_items: int
+    media_cached: int
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"x-swallow-media-cache": f"hits={self.media_cached}; items={self.media_items}"}
 
 
 @dataclass(frozen=True)
@@ -704,11 +723,11 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
                 return parts.get(file_id) or files.get(file_id)
 
             parsed = parse_chat_request(body, lookup)
-            prompt_ids, spans = await _until_disconnected(request, chat.prompt(parsed))
+            built = await _until_disconnected(request, chat.built_prompt(parsed))
             if form is not None:
                 form.cleanup()  # embedded: the spooled media are no longer needed
-            gens = await _until_disconnected(request, chat.open_choices(parsed, prompt_ids, spans))
-            headers = gens[0].headers
+            gens = await _until_disconnected(request, chat.open_choices(parsed, built.token_ids, built.spans))
+            headers = gens[0].headers | built.headers
             if parsed.stream:
                 return StreamingResponse(chat.stream(parsed, gens), media_type="text/event-stream", headers=headers)
             return JSONResponse(await _until_disconnected(request, chat.complete(parsed, gens)), headers=headers)
@@ -792,6 +811,23 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
         metrics.set_engine_stats(model.engine.stats())
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    async def metrics_summary(_: Request) -> Response:
+        metrics.set_engine_stats(model.engine.stats())
+        return JSONResponse(metrics.summary())
+
+    # The page's sample clips, pictures and sounds: rendered on first request, off the event loop.
+    gallery = SampleGallery(spool_root / "samples")
+
+    async def demo_samples(_: Request) -> Response:
+        items = await asyncio.get_running_loop().run_in_executor(None, gallery.items)
+        return JSONResponse({"samples": [item.to_json() for item in items], "questions_by_kind": QUESTIONS_BY_KIND})
+
+    async def demo_sample_file(request: Request) -> Response:
+        item = await asyncio.get_running_loop().run_in_executor(None, gallery.find, request.path_params["name"])
+        if item is None:
+            return error_response(404, f"no sample {request.path_params['name']!r}", "not_found")
+        return FileResponse(item.path, media_type=item.media_type, filename=item.path.name)
+
     async def demo_page(_: Request) -> Response:
         page = STATIC_DIR / "index.html"
         if not page.exists():
@@ -825,6 +861,9 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
             Route("/stats", engine_stats),
             Route("/flush_cache", flush_cache, methods=["POST"]),
             Route("/metrics", prometheus),
+            Route("/metrics/summary", metrics_summary),
+            Route("/demo/samples", demo_samples),
+            Route("/demo/samples/{name}", demo_sample_file),
             Route("/v1/models", models),
             Route("/v1/completions", text_completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),

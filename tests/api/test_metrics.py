@@ -226,3 +226,36 @@ def test_queue_wait_and_ttft_per_length_bucket_are_histograms() -> None:
     assert value(metrics, "swallow_queue_wait_seconds_sum", bucket="64K+") == 9.0
     assert value(metrics, "swallow_bucket_ttft_seconds_bucket", bucket="0-64K", le="1.0") == 3
     assert value(metrics, "swallow_bucket_ttft_seconds_count", bucket="64K+") == 1
+
+
+def test_summary_reads_what_swa_saves_from_the_registry() -> None:
+    metrics = ServerMetrics()
+    stats = {**ENGINE_STATS, "swa_pool": {"capacity_tokens": 400, "free_tokens": 300, "bytes_per_token": 32}}
+    metrics.set_engine_stats(stats)
+    metrics.observe_encoder_batch("vision", 3)
+    metrics.observe_encoder_batch("vision", 1)
+    metrics.count_embedding("video", cached=True)
+    metrics.count_embedding("image", cached=True)
+    metrics.count_embedding("audio", cached=False)
+    summary = metrics.summary()
+    # 750 full tokens at 64 B, 100 SWA slots at 32 B; full attention: 750 tokens at 64 + 32 B.
+    assert value(metrics, "swallow_kv_pool_used_bytes", pool="full") == 750 * 64
+    assert value(metrics, "swallow_kv_full_attention_equivalent_bytes") == 750 * 96
+    assert summary["kv_bytes_in_use"] == 750 * 64 + 100 * 32
+    assert summary["kv_bytes_full_attention"] == 750 * 96
+    assert summary["kv_saving_ratio"] == round(750 * 96 / (750 * 64 + 100 * 32), 3)
+    # The pools' memory (1000 * 64 + 400 * 32 B) as full-attention tokens of 96 B each.
+    assert summary["kv_capacity_tokens"] == 1000
+    assert summary["kv_capacity_tokens_full_attention"] == (1000 * 64 + 400 * 32) // 96
+    assert summary["full_pool_tokens_used"] == 750 and summary["swa_slots_used"] == 100
+    assert summary["prefix_cache_hit_rate"] == 0.3 and summary["prefix_cache_cached_tokens"] == 300
+    assert summary["embedding_cache_hits"] == 2 and summary["embedding_cache_misses"] == 1
+    assert summary["encoder_batches"]["vision"] == {"batches": 2, "items": 4, "mean_batch_size": 2.0}
+    assert summary["encoder_batches"]["audio"] == {"batches": 0, "items": 0, "mean_batch_size": 0.0}
+    assert summary["requests_running"] == 3 and summary["requests_waiting"] == 7
+
+
+def test_summary_of_a_fresh_server_has_no_ratios() -> None:
+    summary = ServerMetrics().summary()
+    assert summary["kv_saving_ratio"] is None and summary["kv_capacity_gain"] is None
+    assert summary["kv_bytes_in_use"] == 0
