@@ -200,6 +200,10 @@ def test_a_sample_answers_right_and_a_second_question_hits_the_caches(browser: w
     assert int(_data(browser, "usage", "cached-tokens")) > 0, _text(browser, "usage")
     assert _data(browser, "usage", "media-cached") == "1", _text(browser, "usage")
     assert "from the prefix cache" in _text(browser, "usage") and "from the embedding cache" in _text(browser, "usage")
+    # Everything the page loaded came from the server itself: no CDN, no build step.
+    origins = browser.execute_script(
+        "return performance.getEntriesByType('resource').map((e) => new URL(e.name).origin)")
+    assert origins and set(origins) == {server}, origins
 
 
 def test_a_large_upload_moves_the_progress_bar_before_the_answer(browser: webdriver.Chrome, server: str,
