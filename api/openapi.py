@@ -364,6 +364,14 @@ def _paths(media_kinds: list[str]) -> dict[str, Any]:
                                     for t in ("video/mp4", "image/png", "audio/wav")}),
                 **_errors(404)},
             parameters=[{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}])},
+        "/demo/tools/{name}": {"post": _operation(
+            "Run the demo's tool (get_video_info) on an uploaded video, for the page's tool round trip",
+            {**_ok("The tool message's content.", _json(_closed_object({"content": {"type": "string"}}))),
+             **_errors(400, *v1, 404, 413, 415)},
+            body=_json(_object({"file_id": {"type": "string"}, "arguments": {"type": "object"}},
+                               ["file_id", "arguments"])),
+            parameters=[{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+            secured=True)},
         "/openapi.json": {"get": _operation("This document", _ok("OpenAPI 3.1.", _json({"type": "object"})))},
         "/": {"get": _operation("The video-QA demo page", {**_ok("The page.", _text("html")), **_errors(404)})},
     }
@@ -768,7 +776,8 @@ def _response_schemas(media_kinds: list[str]) -> dict[str, Schema]:
 def _demo_schemas() -> dict[str, Schema]:
     count = {"type": "integer", "minimum": 0}
     encoder = _closed_object({"batches": count, "items": count, "mean_batch_size": {"type": "number", "minimum": 0}})
-    question = _closed_object({"text": {"type": "string"}, "answer": {"type": "string"}, "tools": {"type": "boolean"}})
+    question = _closed_object({"text": {"type": "string"}, "answer": {"type": "string"}, "tools": {"type": "boolean"},
+                               "call": _nullable({"type": "string"})})
     return {
         "MetricsSummary": _closed_object({
             "kv_capacity_tokens": {**count, "description": "Tokens of context the KV pools hold at most."},

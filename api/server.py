@@ -44,6 +44,7 @@ from api.uploads import (
     FileStore, MultipartForm, StoredFile, UploadError, format_size, parse_multipart, refuse_declared_oversize,
 )
 from demo.samples import QUESTIONS_BY_KIND, SampleGallery
+from demo.tools import ToolArgumentError, get_video_info
 from encoders import EncoderQueueFull
 from llm_core import MultimodalSpan, SamplingParams
 from llm_core.chat import ChatTemplateError, MediaPart, build_chat_prompt
@@ -113,7 +114,8 @@ class ApiKeyMiddleware:
 
 
 def _needs_key(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/flush_cache"
+    # The demo's tool reads uploaded files, as /v1/files does.
+    return path.startswith(("/v1/", "/demo/tools/")) or path == "/flush_cache"
 
 
 class RequestMetricsMiddleware:
@@ -822,6 +824,26 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
         items = await asyncio.get_running_loop().run_in_executor(None, gallery.items)
         return JSONResponse({"samples": [item.to_json() for item in items], "questions_by_kind": QUESTIONS_BY_KIND})
 
+    async def demo_tool(request: Request) -> Response:
+        """Runs the demo's tool on an uploaded file, so the page can finish a tool round trip."""
+        async def handle() -> Response:
+            body = await _read_json(request, _JSON_BODY_LIMIT)
+            if not isinstance(body, dict):
+                raise BadRequest("the body must be a JSON object with 'file_id' and 'arguments'")
+            if request.path_params["name"] != "get_video_info":
+                return error_response(404, f"no demo tool {request.path_params['name']!r}", "not_found")
+            stored = files.get(body.get("file_id")) if isinstance(body.get("file_id"), str) else None
+            if stored is None:
+                raise BadRequest("'file_id' must name an uploaded file (POST /v1/files)")
+            try:
+                content = await asyncio.get_running_loop().run_in_executor(
+                    None, get_video_info, stored.path, body.get("arguments"))
+            except ToolArgumentError as exc:
+                raise BadRequest(str(exc)) from None
+            return JSONResponse({"content": content})
+
+        return await guarded(request, handle)
+
     async def demo_sample_file(request: Request) -> Response:
         item = await asyncio.get_running_loop().run_in_executor(None, gallery.find, request.path_params["name"])
         if item is None:
@@ -864,6 +886,7 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
             Route("/metrics/summary", metrics_summary),
             Route("/demo/samples", demo_samples),
             Route("/demo/samples/{name}", demo_sample_file),
+            Route("/demo/tools/{name}", demo_tool, methods=["POST"]),
             Route("/v1/models", models),
             Route("/v1/completions", text_completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -69,8 +69,9 @@ QUESTIONS_BY_KIND: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class SampleQuestion:
     text: str
-    answer: str  # what the demo model answers; for a tool question, the call it makes (as JSON)
+    answer: str  # what the demo model answers (to a tool question: after the tool's result)
     tools: bool = False  # asked with the get_video_info tool offered
+    call: str | None = None  # the call a tool question is answered with first, as JSON
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ class GallerySample:
         return {
             "name": self.name, "title": self.title, "kind": self.kind, "url": f"demo/samples/{self.name}",
             "filename": self.path.name, "media_type": self.media_type, "bytes": self.path.stat().st_size,
-            "questions": [{"text": q.text, "answer": q.answer, "tools": q.tools} for q in self.questions],
+            "questions": [{"text": q.text, "answer": q.answer, "tools": q.tools, "call": q.call}
+                          for q in self.questions],
         }
 
 
@@ -104,8 +106,9 @@ def sample_questions(sample: Sample) -> tuple[SampleQuestion, ...]:
         questions.append(SampleQuestion(f"What colour is the {shape.kind}?", shape.color))
     if scene.kind == "video":
         for prop in ("frame_rate", "duration"):
-            call = {"name": VIDEO_TOOL_NAME, "arguments": tool_exchange(scene, prop).arguments}
-            questions.append(SampleQuestion(PROPERTY_QUESTIONS[prop], json.dumps(call), tools=True))
+            exchange = tool_exchange(scene, prop)
+            call = {"name": VIDEO_TOOL_NAME, "arguments": exchange.arguments}
+            questions.append(SampleQuestion(PROPERTY_QUESTIONS[prop], exchange.reply, True, json.dumps(call)))
     return tuple(questions)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from demo.samples import GALLERY, QUESTIONS_BY_KIND, SampleGallery, sample_questions
-from demo.world import TASKS, make_sample
+from demo.world import TASKS, make_sample, tool_exchange
 from media import load_audio, load_image, probe_video
 
 
@@ -47,9 +47,12 @@ def test_questions_are_answered_by_the_scene() -> None:
         questions = sample_questions(sample)
         assert (questions[0].text, questions[0].answer) == (sample.question, sample.answer)
         for question in questions:
-            if question.tools:  # the file's own facts: the model calls the tool
-                call = json.loads(question.answer)
+            if question.tools:  # the file's own facts: the model calls the tool, then reads its result back
+                call = json.loads(question.call)
                 assert call["name"] == "get_video_info" and set(call["arguments"]) == {"property"}
+                assert question.answer == tool_exchange(sample.scene, call["arguments"]["property"]).reply
+            else:
+                assert question.call is None
         if spec.task == "video_direction":
             shape = sample.scene.shape
             describe = next(q for q in questions if q.text == "Describe the video.")
