@@ -53,6 +53,62 @@ class GrammarSpec:
             raise ValueError("a grammar's 'after' text must be a string of at most 64 characters")
 
 
+def _byte_level_bytes() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, read backwards: the byte each character of a
+    byte-level BPE vocabulary stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+def _uses_byte_level(component: Any) -> bool:
+    if not isinstance(component, dict):
+        return False
+    return component.get("type") == "ByteLevel" or any(_uses_byte_level(c) for c in component.get("decoders", []))
+
+
+class _GrammarTokenizer:
+    """What llguidance needs of the tokenizer: each token's bytes, which are
+    special, and the tokenization of a text (``__call__``). Built here rather
+    than by llguidance from tokenizer.json, which reads every added token as
+    special: a non-special one (Qwen's and MiMo's ``<tool_call>``, ``<think>``)
+    is text the model writes, which a grammar's literal "<tool_call>" must
+    accept, as one token or spelled out."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        from tokenizers import Tokenizer
+
+        data = json.loads(tokenizer_json)
+        self._hf = Tokenizer.from_str(tokenizer_json)
+        self.eos_token_id = eos_ids[0]
+        self.bos_token_id = None
+        added = {t["id"]: t for t in data.get("added_tokens", [])}
+        self.special_token_ids = sorted(i for i, t in added.items() if t.get("special", True))
+        byte_level = _uses_byte_level(data.get("decoder"))
+        to_byte = _byte_level_bytes() if byte_level else {}
+        self.tokens: list[bytes] = []
+        for i in range(vocab_size):
+            piece = self._hf.id_to_token(i)
+            if i in added:
+                self.tokens.append(added[i]["content"].encode())
+            elif piece is None:
+                self.tokens.append(b"")  # an id the model has and the tokenizer never makes
+            elif byte_level and all(c in to_byte for c in piece):
+                self.tokens.append(bytes(to_byte[c] for c in piece))
+            else:
+                self.tokens.append(self._hf.decode([i], skip_special_tokens=False).encode())
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+
 class GrammarCompiler:
     """Grammars for one tokenizer: checks and compiles ``GrammarSpec``s and
     makes a matcher per request. The llguidance tokenizer (a pass over the
@@ -82,8 +138,9 @@ class GrammarCompiler:
         if self._tokenizer is None:
             import llguidance
 
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                     eos_token=list(self.eos_ids))
+            wrapped = llguidance.TokenizerWrapper(_GrammarTokenizer(self._tokenizer_json, self.vocab_size,
+                                                                     self.eos_ids))
+            self._tokenizer = llguidance.LLTokenizer(wrapped, n_vocab=self.vocab_size, eos_token=list(self.eos_ids))
         return self._tokenizer
 
     def compile(self, spec: GrammarSpec) -> str:

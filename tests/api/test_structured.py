@@ -18,12 +18,13 @@ from api.structured import (
     parse_tool_choice,
     parse_tools,
 )
-from llm_core.grammar import GrammarSpec, grammar_text
+from llm_core.grammar import GrammarCompiler, GrammarSpec, grammar_text
 
 TOKENIZER_JSON = Path(__file__).resolve().parents[2] / "models" / "demo" / "tokenizer.json"
 EOS = 4  # <|im_end|>
-LL_TOKENIZER = LLTokenizer(TOKENIZER_JSON.read_text(), n_vocab=448, eos_token=EOS)
 HF_TOKENIZER = tokenizers.Tokenizer.from_file(str(TOKENIZER_JSON))
+# The engine's own view of the tokenizer for grammars (its markup tokens are text).
+LL_TOKENIZER = GrammarCompiler(TOKENIZER_JSON.read_text(), HF_TOKENIZER.get_vocab_size(), (EOS,)).tokenizer
 
 PERSON = {
     "type": "object",

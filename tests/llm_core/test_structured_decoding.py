@@ -16,6 +16,7 @@ from llm_core.grammar import GrammarCompiler, GrammarSpec, allows
 from llm_core.sampling import Penalties, TokenCounts, apply_penalties, apply_token_mask
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
+VOCAB = json.loads((DEMO / "config.json").read_text())["vocab_size"]
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -63,7 +64,7 @@ def demo_no_spec() -> LLM:
 
 
 def test_compiler_refuses_broken_grammars_with_the_reason() -> None:
-    compiler = GrammarCompiler.from_file(DEMO / "tokenizer.json", 448, (4,))
+    compiler = GrammarCompiler.from_file(DEMO / "tokenizer.json", VOCAB, (4,))
     with pytest.raises(ValueError, match="objekt"):
         compiler.matcher(GrammarSpec("json_schema", '{"type": "objekt"}'))
     with pytest.raises(ValueError, match="not JSON"):
@@ -77,7 +78,7 @@ def test_compiler_refuses_broken_grammars_with_the_reason() -> None:
 
 
 def test_matcher_masks_consumes_and_rolls_back() -> None:
-    compiler = GrammarCompiler.from_file(DEMO / "tokenizer.json", 448, (4,))
+    compiler = GrammarCompiler.from_file(DEMO / "tokenizer.json", VOCAB, (4,))
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(DEMO / "tokenizer.json")).encode('{"a": 5}').ids
@@ -98,6 +99,28 @@ def test_matcher_masks_consumes_and_rolls_back() -> None:
 
 
 # ----------------------------------------------------------------------------- sampler pieces
+
+
+def test_markup_tokens_that_are_not_special_match_the_grammars_text() -> None:
+    """<tool_call> is one added token, not special (as in Qwen's and MiMo's
+    tokenizers): a tool call's grammar, written as text, must let it through, and
+    its spelling letter by letter too; a special token never."""
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
+    marker, end = hf.token_to_id("<tool_call>"), hf.token_to_id("<|im_end|>")
+    compiler = GrammarCompiler.from_file(DEMO / "tokenizer.json", hf.get_vocab_size(), (end,))
+    spec = GrammarSpec("lark", 'start: "<tool_call>" /[a-z]+/ "</tool_call>"')
+    row = np.zeros(compiler.words, dtype=np.int32)
+    matcher = compiler.matcher(spec)
+    matcher.fill_mask(row)
+    assert allows(row, marker) and not allows(row, end)
+    assert matcher.consume(marker)
+    assert all(matcher.consume(t) for t in hf.encode("abc", add_special_tokens=False).ids)
+    assert matcher.consume(hf.token_to_id("</tool_call>")) and not matcher.error
+    spelled = compiler.matcher(spec)
+    spelling = [hf.token_to_id("<"), *hf.encode("tool_call>ab", add_special_tokens=False).ids]
+    assert all(spelled.consume(t) for t in spelling)
 
 
 def test_token_mask_keeps_exactly_the_allowed_tokens() -> None:
@@ -175,14 +198,18 @@ def test_sampled_json_schema_outputs_always_validate(demo: LLM, demo_no_spec: LL
 
 def test_grammar_and_drafts_agree_with_plain_decoding(demo: LLM, demo_no_spec: LLM) -> None:
     """Greedy: drafts checked against the grammar change nothing but speed."""
-    params = [SamplingParams(max_tokens=60, grammar=GrammarSpec("json_object")),
+    # Bounded: a greedy answer ends within max_tokens (a free JSON object's strings need not).
+    color_schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue", "yellow"]},
+                                                     "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+                    "required": ["color", "count"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=60, grammar=GrammarSpec("json_schema", json.dumps(color_schema))),
               SamplingParams(max_tokens=60, grammar=GrammarSpec("regex", r"(red|green|blue) [0-9]{1,3}")),
               SamplingParams(max_tokens=12)]
     questions = ["What color is the shape?", "How many beeps are there?", "Which way does it move?"]
     with_drafts = _run(demo, [_prompt(demo, q) for q in questions], params)
     plain = _run(demo_no_spec, [_prompt(demo_no_spec, q) for q in questions], params)
     assert [[e.token for e in x] for x in with_drafts] == [[e.token for e in x] for x in plain]
-    assert isinstance(json.loads(_text(demo, with_drafts[0])), dict)
+    jsonschema.validate(json.loads(_text(demo, with_drafts[0])), color_schema)
     color, number = _text(demo, with_drafts[1]).split(" ")
     assert color in ("red", "green", "blue") and number.isdigit()
     assert demo.engine.spec_stats.proposed[0] > 0
