@@ -92,7 +92,7 @@ def _train_demo(args: argparse.Namespace) -> int:
     from demo.train import TrainConfig, finetune_config, train_demo
 
     given = {"seed": args.seed, "batch_size": args.batch_size, "max_steps": args.max_steps,
-             "max_minutes": args.max_minutes}
+             "max_minutes": args.max_minutes, "lr": args.lr, "round_trip_share": args.round_trip_share}
     chosen = {name: value for name, value in given.items() if value is not None}
     # Fine-tuning has its own defaults (learning rate, budget, frozen encoders).
     config = finetune_config(**chosen) if args.init else TrainConfig(**chosen)
@@ -490,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int)
     train.add_argument("--max-steps", type=int)
     train.add_argument("--max-minutes", type=float)
+    train.add_argument("--lr", type=float, help="peak learning rate (default: 1e-3 from scratch, 5e-4 fine-tuning)")
+    train.add_argument("--round-trip-share", type=float,
+                       help="share of examples that are tool round trips on top of the mix (fine-tuning; default 0)")
     train.add_argument("--init", help="fine-tune this trained demo checkpoint (e.g. models/demo) instead of "
                                       "training from scratch: every task, thinking and the video tool mixed")
     train.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -109,6 +109,10 @@ class TrainConfig:
     # of the other tasks' examples asked in thinking mode, and with the tool listed.
     thinking_share: float = 0.3
     tools_share: float = 0.15
+    # On top of the full mix, this share of examples are tool round trips (half of
+    # them in thinking mode): reading a number back from the tool's result is the
+    # skill the mix gives the fewest examples of (a second fine-tune sets it).
+    round_trip_share: float = 0.0
     # Fine-tuning keeps what the encoders learnt: the new skills are the LLM's only
     # (the tool questions are about the file, reasoning is text), and frozen towers
     # skip their backward pass, over half a step's time.
@@ -730,6 +734,8 @@ def _draw(rng: np.random.Generator, pool: Sequence[str], cfg: TrainConfig, full_
     """One example's task and way of asking. A thinking example's task is drawn
     uniformly: each kind of question has its own reasoning to learn, however rarely
     its answers need practice."""
+    if full_mix and cfg.round_trip_share and rng.random() < cfg.round_trip_share:
+        return "video_info", Mode(tools=True, thinking=bool(rng.random() < 0.5), tool_result=True)
     if full_mix and rng.random() < cfg.thinking_share:
         task = pool[int(rng.integers(len(pool)))]
         return task, draw_mode(task, rng, cfg, thinking=True)
@@ -781,6 +787,8 @@ def _grow_vocab(llm: MiMoV2ForCausalLM, sources: Sequence[Sequence[int]], seed: 
     tokens it is made of). A new token's embedding and output rows start at the mean
     of its pieces' -- "Ġframe" means what "Ġf r a m e" meant -- plus a little noise,
     so no two new tokens start alike."""
+    if not sources:  # already grown: fine-tuned before
+        return llm.requires_grad_(True)
     old = llm.config.vocab_size
     config = dataclasses.replace(llm.config, vocab_size=old + len(sources))
     state = llm.state_dict()

@@ -206,6 +206,24 @@ def test_a_sample_answers_right_and_a_second_question_hits_the_caches(browser: w
     assert origins and set(origins) == {server}, origins
 
 
+def test_a_tool_question_calls_the_tool_and_answers_from_its_result(browser: webdriver.Chrome, server: str) -> None:
+    question = next(q for q in _gallery(server)["blinking-light"]["questions"] if q["tools"])
+    _open(browser, server)
+    _pick_sample(browser, "blinking-light")
+    chips = browser.find_elements(By.CSS_SELECTOR, "#suggestions .chip")
+    next(c for c in chips if c.text.startswith(question["text"])).click()
+    assert browser.find_element(By.ID, "tools").is_selected(), "a tool question offers the tool"
+    browser.find_element(By.ID, "ask").click()
+    _wait_done(browser)
+    (call,) = browser.find_elements(By.CSS_SELECTOR, "#tool-calls .tool-call")
+    assert call.find_element(By.CLASS_NAME, "name").text == "get_video_info"
+    assert json.loads(call.find_element(By.TAG_NAME, "pre").text) == json.loads(question["call"])["arguments"]
+    assert call.find_element(By.CLASS_NAME, "result").text.startswith("→ {")
+    # The reply reads the result back in the trained sentence (its digits right
+    # most of the time: `swallow eval-demo` scores that).
+    assert re.fullmatch(r"The video (has [\d.]+ frames per second|lasts [\d.]+ seconds)\.", _text(browser, "answer"))
+
+
 def test_a_large_upload_moves_the_progress_bar_before_the_answer(browser: webdriver.Chrome, server: str,
                                                                   tmp_path: Path) -> None:
     clip = write_clip(tmp_path / "large.mp4", seconds=12, fps=10, size=320, noise=True)
