@@ -23,6 +23,28 @@ def default_model_dir() -> Path:
     return home / "models" / "tiny-random-multimodal"
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from llm_core.plan import Hardware, plan
+    from llm_core.presets import get_preset
+
+    hardware = Hardware(args.gpus, args.gpu_mem_gib, reserve_gib=args.reserve_gib, weight_bytes=args.weight_bytes)
+    result = {"preset": args.preset, **plan(get_preset(args.preset), hardware, args.context, args.concurrency)}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{args.preset} on {args.gpus} x {args.gpu_mem_gib} GiB, {args.context:,}-token requests "
+          f"(target {result['target_concurrency']} at once)")
+    print(f"{'EP':>4} {'weights/GPU':>12} {'KV/GPU':>9} {'SWA reqs':>9} {'full-attn reqs':>15} {'a2a B/token':>12}")
+    for row in result["ep"]:
+        print(f"{row['ep_size']:>4} {row['weights_gib_per_gpu']:>10.1f} G {row['kv_gib_per_gpu']:>7.1f} G "
+              f"{row['swa_requests']:>9} {row['full_attention_requests']:>15} {row['all_to_all_bytes_per_token']:>12,}")
+    print(f"smallest EP size for the target: {result['smallest_ep_swa']} with SWA-aware KV, "
+          f"{result['smallest_ep_full_attention']} with full-attention KV")
+    return 0
+
+
 def _init_checkpoint(args: argparse.Namespace) -> int:
     from llm_core.presets import get_preset
 
@@ -475,6 +497,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     _add_role_parsers(sub)
+
+    planner = sub.add_parser("plan", help="weights, KV capacity (SWA-aware against full attention) and all-to-all "
+                                          "bytes per token for each expert-parallel size of a preset on your GPUs")
+    planner.add_argument("--preset", default="mimo-v2.5-pro")
+    planner.add_argument("--gpus", type=int, default=16)
+    planner.add_argument("--gpu-mem-gib", type=float, default=141.0)
+    planner.add_argument("--context", type=int, default=131072, help="tokens per request")
+    planner.add_argument("--concurrency", type=int, help="requests of that context to serve at once (default: what "
+                                                        "full-attention KV reaches at the largest EP size)")
+    planner.add_argument("--reserve-gib", type=float, default=10.0,
+                         help="per GPU, for activations, graphs and communication buffers")
+    planner.add_argument("--weight-bytes", type=float, default=1.0, help="bytes per parameter (1: FP8, 2: BF16)")
+    planner.add_argument("--json", action="store_true", help="one JSON object")
+    planner.set_defaults(func=_plan)
 
     init = sub.add_parser("init-checkpoint", help="write a random-weight checkpoint of a preset shape")
     init.add_argument("dir")
