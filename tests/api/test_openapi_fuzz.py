@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -215,7 +216,8 @@ def test_secured_operations_refuse_a_missing_key_as_documented(
     keyed_server: LiveServer, method: str, path: str
 ) -> None:
     # The key is checked before anything else, so no body or real file id is needed.
-    case = positive[path][method].Case(path_parameters={"file_id": "file-0"} if "{file_id}" in path else None)
+    parameters = {name: "file-0" for name in re.findall(r"{(\w+)}", path)}
+    case = positive[path][method].Case(path_parameters=parameters or None)
     assert _call(case, keyed_server).status_code == 401
 
 
