@@ -72,6 +72,9 @@ def _uses_byte_level(component: Any) -> bool:
     return component.get("type") == "ByteLevel" or any(_uses_byte_level(c) for c in component.get("decoders", []))
 
 
+_TOKENIZED_CACHE = 1 << 16  # texts kept tokenized per tokenizer: a schema's forced strings are few
+
+
 class _GrammarTokenizer:
     """What llguidance needs of the tokenizer: each token's bytes, which are
     special, and the tokenization of a text (``__call__``). Built here rather
@@ -85,6 +88,7 @@ class _GrammarTokenizer:
 
         data = json.loads(tokenizer_json)
         self._hf = Tokenizer.from_str(tokenizer_json)
+        self._tokenized: dict[bytes | str, list[int]] = {}
         self.eos_token_id = eos_ids[0]
         self.bos_token_id = None
         added = {t["id"]: t for t in data.get("added_tokens", [])}
@@ -104,9 +108,15 @@ class _GrammarTokenizer:
                 self.tokens.append(self._hf.decode([i], skip_special_tokens=False).encode())
 
     def __call__(self, text: bytes | str) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._hf.encode(text, add_special_tokens=False).ids
+        # llguidance asks for the same forced texts (a schema's keys, separators)
+        # at every step of every request: tokenize each once.
+        ids = self._tokenized.get(text)
+        if ids is None:
+            decoded = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+            ids = self._hf.encode(decoded, add_special_tokens=False).ids
+            if len(self._tokenized) < _TOKENIZED_CACHE:
+                self._tokenized[text] = ids
+        return list(ids)
 
 
 class GrammarCompiler:
