@@ -20,6 +20,7 @@ from demo.world import (
     VIDEO_PROPERTIES,
     VIDEO_TOOL_NAME,
     Sample,
+    description,
     make_sample,
     tool_exchange,
     write_media,
@@ -99,9 +100,7 @@ def sample_questions(sample: Sample) -> tuple[SampleQuestion, ...]:
     shape = scene.shape
     if sample.task == "video_direction" and shape is not None:
         # The describe task's scenes are drawn exactly as a moving shape's are.
-        description = (f"a {shape.color} {shape.kind} moves {sample.answer} on a black background. "
-                       "it does not change colour. there is no sound")
-        questions.append(SampleQuestion("Describe the video.", description))
+        questions.append(SampleQuestion("Describe the video.", description(shape, sample.answer)))
     if sample.task == "image_shape" and shape is not None:
         questions.append(SampleQuestion(f"What colour is the {shape.kind}?", shape.color))
     if scene.kind == "video":

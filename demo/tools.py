@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from demo.world import VIDEO_PROPERTIES
+from demo.world import VIDEO_PROPERTIES, tool_value
 from media import probe_video
 
 __all__ = ["ToolArgumentError", "get_video_info"]
@@ -28,7 +28,5 @@ def get_video_info(path: str | Path, arguments: Mapping[str, Any]) -> str:
         raise ToolArgumentError(f"get_video_info takes one argument, 'property', one of {list(VIDEO_PROPERTIES)}")
     prop = arguments["property"]
     info = probe_video(Path(path))
-    value = float({"frame_rate": info.fps, "width": info.width, "height": info.height,
-                   "duration": info.duration}[prop])
-    value = round(value, 3)
-    return json.dumps({prop: int(value) if value.is_integer() else value})
+    value = {"frame_rate": info.fps, "width": info.width, "height": info.height, "duration": info.duration}[prop]
+    return json.dumps({prop: tool_value(value)})

@@ -495,16 +495,21 @@ def video_property(scene: Scene, prop: str) -> int | float:
     if scene.kind != "video" or scene.fps is None:
         raise ValueError("get_video_info is about a video")
     values: dict[str, float] = {
-        "frame_rate": round(float(scene.fps), 3),
+        "frame_rate": float(scene.fps),
         "width": scene.width,
         "height": scene.height,
-        "duration": round(float(video_frame_count(scene.fps) / scene.fps), 3),
+        "duration": video_frame_count(scene.fps) / scene.fps,
     }
     try:
-        value = values[prop]
+        return tool_value(values[prop])
     except KeyError:
         raise ValueError(f"unknown property {prop!r}; expected one of {VIDEO_PROPERTIES}") from None
-    return int(value) if float(value).is_integer() else value
+
+
+def tool_value(value: float) -> int | float:
+    """A property as ``get_video_info`` reports it: to 3 decimals, whole numbers as integers."""
+    rounded = round(float(value), 3)
+    return int(rounded) if rounded.is_integer() else rounded
 
 
 @dataclass(frozen=True)
@@ -629,12 +634,13 @@ def _describe(rng: np.random.Generator, fmt: MediaFormat) -> _Built:
     frame, scene = _video(rng, fmt)
     direction = _pick(rng, DIRECTIONS)
     shape = _moving_shape(rng, direction, frame)
-    sentences = (
-        f"a {shape.color} {shape.kind} moves {direction} on a black background",
-        "it does not change colour",
-        "there is no sound",
-    )
-    return scene(shape), "Describe the video.", ". ".join(sentences)
+    return scene(shape), "Describe the video.", description(shape, direction)
+
+
+def description(shape: Shape, direction: str) -> str:
+    """The describe answer for a silent clip of ``shape`` moving ``direction``."""
+    return ". ".join((f"a {shape.color} {shape.kind} moves {direction} on a black background",
+                      "it does not change colour", "there is no sound"))
 
 
 def _video_info(rng: np.random.Generator, fmt: MediaFormat) -> _Built:

@@ -454,10 +454,9 @@ class Scheduler:
                 seq.answered = True
                 self.ttft[self._bucket(seq)].observe(now - seq.arrival)
             if self.cache is not None:
-                durable = self._prompt_checkpoints(seq)
-                for boundary in self._checkpoints_crossed(seq, chunk.start):
+                for boundary, durable in self._checkpoints_crossed(seq, chunk.start):
                     self.cache.insert(seq.view, self.cache.page_keys(seq.tokens(boundary)), boundary,
-                                      seq.cache_lock, durable=boundary in durable)  # type: ignore[arg-type]
+                                      seq.cache_lock, durable=durable)  # type: ignore[arg-type]
             self.allocator.release_out_of_window(seq.view, seq.num_computed)
 
     def _prompt_checkpoints(self, seq: Sequence) -> set[int]:
@@ -469,16 +468,19 @@ class Scheduler:
             return set()
         return {p // ps * ps for p in (len(seq.prompt), *seq.media_ends)}
 
-    def _checkpoints_crossed(self, seq: Sequence, start: int) -> list[int]:
-        """Checkpoint positions reached in this step: the prompt's (see
-        ``_prompt_checkpoints``), and every ``checkpoint_interval`` tokens."""
+    def _checkpoints_crossed(self, seq: Sequence, start: int) -> list[tuple[int, bool]]:
+        """(position, durable) of the checkpoints reached in this step: the
+        prompt's (see ``_prompt_checkpoints``; durable), and every
+        ``checkpoint_interval`` tokens."""
         ps = self.allocator.full.page_size
         assert self.cache is not None
-        points: list[int] = [*self._prompt_checkpoints(seq)]
+        durable = self._prompt_checkpoints(seq)
+        points: list[int] = [*durable]
         if self.cache.checkpoint_interval:
             step = self.cache.checkpoint_interval
             points += range((start // step + 1) * step, seq.num_computed + 1, step)
-        return sorted({p // ps * ps for p in points if start < p <= seq.num_computed and p >= ps})
+        crossed = sorted({p // ps * ps for p in points if start < p <= seq.num_computed and p >= ps})
+        return [(p, p in durable) for p in crossed]
 
     def _release_kv(self, seq: Sequence, insert: bool) -> None:
         if self.cache is not None and seq.cache_lock is not None:
