@@ -14,7 +14,8 @@ import torch
 from llm_core.block_table import BlockTable
 from llm_core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llm_core.device import to_device
-from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool, SWAMode
+from llm_core.disagg import KVReservation, PrefilledKV, SequenceKVPacker
+from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SequenceView, SWAKVPool, SWAMode
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.multimodal import MultimodalSpan, check_spans, with_cache_tokens
 from llm_core.paged_attention import (
@@ -33,7 +34,7 @@ from llm_core.kv_store import DiskKVStore, HostKVPool
 from llm_core.kv_tiers import KVTiers, TierConfig, model_fingerprint
 from llm_core.schedule_policy import LengthBuckets
 from llm_core.kv_transfer import RESTORE_BUCKETS, EngineTierIO, model_weights_digest
-from llm_core.prefix_cache import RadixCache
+from llm_core.prefix_cache import CacheLock, RadixCache
 from llm_core.grammar import GrammarCompiler, GrammarMatcher
 from llm_core.sampling import (
     SamplingParams,
@@ -370,6 +371,16 @@ class Engine:
         # engine's device and dtype); requests without spans have no entry.
         self._spans: dict[int, tuple[MultimodalSpan, ...]] = {}
         self._next_id = 0
+        # Disaggregation: requests that stop after their first token and hand
+        # their KV over (prefill side); slots held for KV on its way, and the
+        # first tokens of requests prefilled elsewhere, out with the next step (decode side).
+        self.kv_packer = SequenceKVPacker(self.kv, self.window, config.swa_mode)
+        self._export_ids: set[int] = set()
+        self._first_events: dict[int, TokenEvent] = {}
+        self._exports: dict[int, PrefilledKV] = {}
+        self._reservations: dict[int, KVReservation] = {}
+        self._next_reservation = 0
+        self._pending_events: list[TokenEvent] = []
 
     def _fingerprint(self, dtype: torch.dtype) -> bytes:
         """The root of the page address chain: pages are comparable only for
@@ -435,9 +446,21 @@ class Engine:
         params: SamplingParams,
         eos_ids: tuple[int, ...] = (),
         mm_spans: SequenceOf[MultimodalSpan] = (),
+        export_kv: bool = False,
     ) -> int:
         """Queue a request. Each of ``mm_spans`` replaces the embeddings of its
-        prompt positions (the placeholder tokens there are only looked up, never fed)."""
+        prompt positions (the placeholder tokens there are only looked up, never fed).
+        ``export_kv``: a prefill worker's request, which ends after its first
+        token ("prefilled", unless that token ends it anyway) with its KV
+        packed for ``take_export``."""
+        seq = self._new_sequence(prompt, params, eos_ids, mm_spans, request_seed(params), self.allocator.new_view())
+        if export_kv:
+            self._export_ids.add(seq.request_id)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _new_sequence(self, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...],
+                      mm_spans: SequenceOf[MultimodalSpan], seed: int, view: SequenceView) -> Sequence:
         check_spans(mm_spans, len(prompt), self.model.config.hidden_size)
         params.check_vocabulary(self.model.config.vocab_size)
         self.check_fits(len(prompt), params.max_tokens)
@@ -450,16 +473,94 @@ class Engine:
         if params.penalised:
             self._counts.admit(request_id, prompt)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        self._sampling[request_id] = _Sampling(params, frozenset(stop_ids), request_seed(params))
+        self._sampling[request_id] = _Sampling(params, frozenset(stop_ids), seed)
         # Prefix-cache keys see each span's content key, not its placeholder ids.
         cache_prompt = with_cache_tokens(prompt, spans) if spans else list(prompt)
-        seq = Sequence(request_id, cache_prompt, params.max_tokens, self.allocator.new_view(),
+        seq = Sequence(request_id, cache_prompt, params.max_tokens, view,
                        media_ends=tuple(span.end for span in spans))
         self._sequences[request_id] = seq
         if spans:
             self._spans[request_id] = spans
-        self.scheduler.add(seq)
-        return request_id
+        return seq
+
+    # ------------------------------------------------------ disaggregation
+    def take_export(self, request_id: int) -> PrefilledKV | None:
+        """The packed KV of a prefilled ``export_kv`` request (once)."""
+        return self._exports.pop(request_id, None)
+
+    def reserve_kv(self, num_prompt_tokens: int, max_tokens: int) -> KVReservation | None:
+        """Hold the slots of a request prefilled elsewhere before its KV is
+        sent: full pages for the prompt, SWA slots for its live window (cached
+        prefixes are evicted to make room). None when the pools or the running
+        limit have no room now; ValueError when the request could never fit."""
+        self.check_fits(num_prompt_tokens, max_tokens)
+        if len(self.scheduler.running) + len(self._reservations) >= self.config.max_running_requests:
+            return None
+        if not self.allocator.can_reserve(num_prompt_tokens) and self.cache is not None:
+            self.cache.make_room(*self.allocator.reserve_needs(num_prompt_tokens))
+        if not self.allocator.can_reserve(num_prompt_tokens):
+            return None
+        view = self.allocator.new_view()
+        self.allocator.reserve(view, num_prompt_tokens)
+        reservation = KVReservation(self._next_reservation, view, num_prompt_tokens, max_tokens,
+                                    self.kv_packer.plan(num_prompt_tokens))
+        self._next_reservation += 1
+        self._reservations[reservation.reservation_id] = reservation
+        return reservation
+
+    def fill_reservation(self, reservation: KVReservation, blob: torch.Tensor) -> None:
+        """Write a received transfer into the reserved slots (ValueError if it does not fit them)."""
+        if self._reservations.get(reservation.reservation_id) is not reservation:
+            raise ValueError("that reservation was cancelled or used")
+        self.kv_packer.unpack(blob, reservation.view, reservation.num_tokens)
+        reservation.filled = True
+
+    def cancel_reservation(self, reservation: KVReservation) -> bool:
+        """Give the reserved slots back (a transfer failed, or its request was aborted)."""
+        if self._reservations.pop(reservation.reservation_id, None) is None:
+            return False
+        self.allocator.free(reservation.view)
+        return True
+
+    def add_prefilled(self, reservation: KVReservation, prompt: list[int], params: SamplingParams,
+                      prefilled: PrefilledKV, eos_ids: tuple[int, ...] = (),
+                      mm_spans: SequenceOf[MultimodalSpan] = ()) -> int:
+        """Go on with a request from its first token, over KV filled in by
+        ``fill_reservation``: nothing is recomputed. Its first token comes out
+        of the next ``step``. The reservation is spent (or, on ValueError, still held)."""
+        if self._reservations.get(reservation.reservation_id) is not reservation or not reservation.filled:
+            raise ValueError("the reservation holds no received KV")
+        if len(prompt) != reservation.num_tokens or prefilled.num_tokens != reservation.num_tokens:
+            raise ValueError(f"the reservation holds {reservation.num_tokens} tokens, the prompt has {len(prompt)}")
+        seq = self._new_sequence(prompt, params, eos_ids, mm_spans, prefilled.seed, reservation.view)
+        del self._reservations[reservation.reservation_id]
+        seq.num_computed = seq.mtp_done = len(prompt)
+        seq.cached_tokens = prefilled.cached_tokens
+        seq.cache_lock = CacheLock() if self.cache is not None else None
+        self.scheduler.adopt(seq)
+        tokens, reason = self._keep(seq, [prefilled.first_token])
+        try:
+            tokens, reason = self._follow_grammar(seq.request_id, tokens, reason)
+        except ValueError as exc:
+            self._pending_events.append(self._fail(seq, exc))
+            return seq.request_id
+        seq.output.extend(tokens)
+        if seq.request_id in self._counts:
+            self._counts.add({seq.request_id: tokens})
+        self._pending_events.append(TokenEvent(seq.request_id, prefilled.first_token, reason,
+                                               logprob=prefilled.logprob, top_logprobs=prefilled.top_logprobs,
+                                               cached_tokens=prefilled.cached_tokens))
+        if reason is not None:
+            self._end(seq, reason)
+        return seq.request_id
+
+    def _export(self, seq: Sequence, reason: str) -> None:
+        """Pack a prefilled request's KV, before its end hands it to the cache."""
+        first = self._first_events.pop(seq.request_id)
+        blob, plan = self.kv_packer.pack(seq.view, len(seq.prompt))
+        self._exports[seq.request_id] = PrefilledKV(
+            len(seq.prompt), first.token, self._sampling[seq.request_id].seed, seq.cached_tokens or 0,
+            None if reason == "prefilled" else reason, blob, plan, first.logprob, first.top_logprobs)
 
     def _grammar_matcher(self, params: SamplingParams) -> GrammarMatcher | None:
         if params.grammar is None:
@@ -486,7 +587,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending_events)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenEvent]:
@@ -500,16 +601,17 @@ class Engine:
         (greedy output does not depend on batch composition). Anything else
         raises EngineFault.
         """
+        events, self._pending_events = self._pending_events, []
         try:
             chunks = self.scheduler.schedule()
         except RequestTooLarge as exc:
-            return [self._fail(exc.seq, exc)]
+            return [*events, self._fail(exc.seq, exc)]
         if not chunks:
             self._finish_restores()
             if self.tier_io is not None and self.scheduler.loading():
                 self.tier_io.wait_prefetch(0.01)  # nothing else to run: wait for the disk, not spin
-            return []
-        return self._run(chunks)
+            return events
+        return events + self._run(chunks)
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[TokenEvent]:
         sampled = [c for c in chunks if c.samples]
@@ -536,6 +638,9 @@ class Engine:
             except ValueError as exc:
                 events.append(self._fail(seq, exc))
                 continue
+            exporting = seq.request_id in self._export_ids and bool(tokens)
+            if exporting and reason is None:
+                reason = "prefilled"  # the decode worker goes on from here
             # Nothing acts on a draft before this: rejected ones leave both pools here.
             self.scheduler.commit(chunk, max(0, len(tokens) - 1))
             self._drafts.pop(seq.request_id, None)
@@ -544,6 +649,8 @@ class Engine:
             if seq.request_id in self._counts:
                 counted[seq.request_id] = tokens
             events += self._token_events(seq, tokens, reason, result, first)
+            if exporting:
+                self._first_events[seq.request_id] = events[-1]
             kept.append(chunk)
             if reason is not None:
                 ending.append((seq, reason))
@@ -553,6 +660,8 @@ class Engine:
             self._draft(kept, decoding)
         self.scheduler.after_step(kept)
         for seq, reason in ending:
+            if seq.request_id in self._export_ids:
+                self._export(seq, reason)
             self._end(seq, reason)
         return events
 
@@ -987,6 +1096,8 @@ class Engine:
         self._drafts.pop(seq.request_id, None)
         self._matchers.pop(seq.request_id, None)
         self._counts.release(seq.request_id)
+        self._export_ids.discard(seq.request_id)
+        self._first_events.pop(seq.request_id, None)
 
     def _tier_stats(self) -> dict[str, Any] | None:
         tiers = self.cache.tiers if self.cache is not None else None

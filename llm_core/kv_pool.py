@@ -136,10 +136,7 @@ class KVAllocator:
 
     def first_live_pos(self, next_query_pos: int) -> int:
         """Lowest position whose SWA KV a query at ``next_query_pos`` or later may need."""
-        if self.swa_mode == "full":
-            return 0
-        ps = self.full.page_size
-        return max(0, next_query_pos // ps * ps - (self.window - 1))
+        return live_window_start(next_query_pos, self.full.page_size, self.window, self.swa_mode)
 
     # ------------------------------------------------------------- planning
     def pages_needed(self, view: SequenceView, new_len: int) -> tuple[int, int]:
@@ -181,6 +178,30 @@ class KVAllocator:
             view.swa_base += n
         return n
 
+    def reserve_needs(self, num_tokens: int) -> tuple[int, int]:
+        """(full pages, SWA slots) a request arriving with ``num_tokens`` computed
+        tokens holds: every full page, and the live window only."""
+        return -(-num_tokens // self.full.page_size), num_tokens - self.first_live_pos(num_tokens)
+
+    def can_reserve(self, num_tokens: int) -> bool:
+        full_needed, swa_needed = self.reserve_needs(num_tokens)
+        return full_needed <= self.full.free_pages and swa_needed <= self.swa.free_pages
+
+    def reserve(self, view: SequenceView, num_tokens: int) -> None:
+        """Give an empty view the slots of ``num_tokens`` tokens computed
+        elsewhere (a prefill worker's): full pages for all of them, SWA slots
+        for the live window before the next query only -- never the whole
+        prompt's, as ``grow`` would for tokens about to be computed here."""
+        if view.num_tokens or view.full_pages or view.swa_ring:
+            raise ValueError("only an empty view can be reserved")
+        if not self.can_reserve(num_tokens):
+            raise MemoryError(f"cannot reserve {num_tokens} tokens")
+        full_needed, swa_needed = self.reserve_needs(num_tokens)
+        view.full_pages = self.full.allocate(full_needed)
+        view.swa_base = num_tokens - swa_needed
+        view.swa_ring = self.swa.allocate(swa_needed)
+        view.num_tokens = num_tokens
+
     def free(self, view: SequenceView) -> None:
         """Return everything the request owns."""
         self.full.release(view.full_pages[view.shared_full_pages :])
@@ -206,6 +227,15 @@ class KVAllocator:
     def _num_releasable_owned(self, view: SequenceView, next_query_pos: int) -> int:
         end = min(view.swa_end_pos, self.first_live_pos(next_query_pos))
         return max(0, end - max(view.swa_base, view.shared_swa_end))
+
+
+def live_window_start(next_query_pos: int, page_size: int, window: int, swa_mode: SWAMode = "hybrid") -> int:
+    """Lowest position whose SWA KV a query at ``next_query_pos`` or later may
+    need: the window before the page boundary at or below it (so a
+    checkpoint there stays possible); 0 in ``swa_mode="full"``."""
+    if swa_mode == "full":
+        return 0
+    return max(0, next_query_pos // page_size * page_size - (window - 1))
 
 
 @dataclass(frozen=True)

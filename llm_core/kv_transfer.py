@@ -411,10 +411,7 @@ class EngineTierIO:
         self.demoter = _Demoter(self._demote) if async_demotion else None
         self._copy_stream = torch.cuda.Stream(kv.device) if async_demotion and kv.device.type == "cuda" else None
         self._fetched: dict[bytes, Fetched] = {}
-        layers = [kv.layer(i) for i in kv.layer_ids]
-        self.full_tensors = [t for is_swa, k, v in layers if not is_swa for t in (k, v)]
-        self.swa_tensors = [t for is_swa, k, v in layers if is_swa for t in (k, v)]
-        self.swa_tensors += [kv.hidden(j) for j in range(kv.draft_depths)]
+        self.full_tensors, self.swa_tensors = kv.pool_tensors()
         self.full_page_bytes = kv.page_size * sum(t[0].numel() * t.element_size() for t in self.full_tensors)
         self.restore_seconds = [0] * (len(RESTORE_BUCKETS) + 1)  # histogram counts
         self.restore_seconds_sum = 0.0

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from llm_core.config import ModelConfig
+from llm_core.disagg import KVReservation, PrefilledKV
 from llm_core.grammar import GrammarCompiler
 from llm_core.engine import Engine, EngineConfig, TokenEvent
 from llm_core.kv_events import KVEventLog
@@ -136,9 +137,29 @@ class LLM:
 
     # ------------------------------------------------------- engine passthrough
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, mm_spans: Sequence[MultimodalSpan] = ()
+        self, prompt_ids: list[int], params: SamplingParams, mm_spans: Sequence[MultimodalSpan] = (),
+        export_kv: bool = False,
     ) -> int:
-        return self.engine.add_request(prompt_ids, params, self.config.eos_token_ids, mm_spans)
+        return self.engine.add_request(prompt_ids, params, self.config.eos_token_ids, mm_spans, export_kv)
+
+    # Disaggregation: see Engine.take_export, reserve_kv, fill_reservation, add_prefilled.
+    def take_export(self, request_id: int) -> PrefilledKV | None:
+        return self.engine.take_export(request_id)
+
+    def reserve_kv(self, num_prompt_tokens: int, max_tokens: int) -> KVReservation | None:
+        return self.engine.reserve_kv(num_prompt_tokens, max_tokens)
+
+    def fill_reservation(self, reservation: KVReservation, blob: torch.Tensor) -> None:
+        with torch.inference_mode():
+            self.engine.fill_reservation(reservation, blob)
+
+    def cancel_reservation(self, reservation: KVReservation) -> bool:
+        return self.engine.cancel_reservation(reservation)
+
+    def add_prefilled(self, reservation: KVReservation, prompt_ids: list[int], params: SamplingParams,
+                      prefilled: PrefilledKV, mm_spans: Sequence[MultimodalSpan] = ()) -> int:
+        return self.engine.add_prefilled(reservation, prompt_ids, params, prefilled, self.config.eos_token_ids,
+                                         mm_spans)
 
     def step(self) -> list[TokenEvent]:
         with torch.inference_mode():

@@ -431,6 +431,16 @@ class KVCacheTensors:
         """[SWA slots, hidden]: the hidden state MTP depth ``depth`` reads at each slot."""
         return self._hidden[depth]
 
+    def pool_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every tensor indexed by a full slot (each full layer's K then V), and
+        every one indexed by an SWA slot (each SWA and MTP layer's K then V,
+        then the MTP hidden states), in layer order: the order a page or a
+        window is packed in wherever KV leaves the device pools."""
+        layers = [self.layer(i) for i in self.layer_ids]
+        full = [t for is_swa, k, v in layers if not is_swa for t in (k, v)]
+        swa = [t for is_swa, k, v in layers if is_swa for t in (k, v)]
+        return full, swa + list(self._hidden)
+
     def store_target_hidden(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
         """Keep the target's final hidden state of each row at its SWA slot, when
         MTP layers will chain on it (a no-op without speculative decoding)."""

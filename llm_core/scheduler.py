@@ -198,6 +198,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def adopt(self, seq: Sequence) -> None:
+        """Run a request whose prompt was computed elsewhere (its KV is in the
+        view already): it decodes from the next step, its TTFT counted there."""
+        if seq.arrival is None:
+            seq.arrival = self.clock()
+        seq.admitted = seq.answered = True
+        self.running.append(seq)
+        seq.is_running = True
+
     def schedule(self) -> list[ScheduledChunk]:
         if self.cache is not None and self.cache.tiers is not None:
             self.cache.tiers.poll()
