@@ -404,6 +404,10 @@ def _add_role_parsers(sub: Any) -> None:
                         help="admitted but unfinished requests before new ones are refused (429)")
     worker.add_argument("--embedding-cache-name", help="the shared-memory store the encoders write")
     _add_embedding_ring_arguments(worker)
+    worker.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                        help="what the API routes here: prompts (prefill; their KV goes to a decode worker), "
+                             "decodes (decode; the KV comes from a prefill worker) or both")
+    _add_disaggregation_arguments(worker)
     worker.add_argument("--log-level", default="info")
     worker.set_defaults(func=_run_role)
 
@@ -420,6 +424,10 @@ def _add_role_parsers(sub: Any) -> None:
     add_http_arguments(stack)
     add_engine_arguments(stack)
     stack.add_argument("--embedding-cache-mib", type=float, default=256.0, help="shared-memory embedding cache")
+    stack.add_argument("--prefill-workers", type=int, default=0,
+                       help="disaggregated: this many prefill workers (with --decode-workers; replaces --workers)")
+    stack.add_argument("--decode-workers", type=int, default=0, help="disaggregated: this many decode workers")
+    _add_disaggregation_arguments(stack)
     stack.add_argument("--print-plan", action="store_true", help="print the processes it would start (JSON) and exit")
     stack.add_argument("--log-level", default="info")
     stack.set_defaults(func=_run_role)
@@ -467,6 +475,14 @@ def _add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--health-port", type=int, default=DEFAULT_PORTS[role] + 1,
                         help="HTTP port: /health, /metrics" + (", /internal/embeddings" if role == "encoder" else ""))
     parser.add_argument(f"--{role}-id", help="its name in the stack (default: host name and port)")
+
+
+def _add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-transport", default="shm", choices=["shm", "torch"],
+                        help="how a decode worker receives KV: shared memory (same host) or torch.distributed "
+                             "point-to-point (gloo on CPU, NCCL on GPU)")
+    parser.add_argument("--transfer-timeout", type=float, default=30.0,
+                        help="seconds a decode worker waits for a prompt's KV before prefilling it itself")
 
 
 def _add_embedding_ring_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,10 +28,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, TypeVar
+
+import torch
 
 from llm_core import LLM, MultimodalSpan, SamplingParams
+from llm_core.disagg import KVReservation, PrefilledKV
 from llm_core.engine import TokenEvent
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineOverloaded(RuntimeError):
@@ -79,6 +83,7 @@ class StreamEvent:
     logprob: float | None = None  # with SamplingParams.logprobs: see TokenEvent
     top_logprobs: tuple[tuple[int, float], ...] = ()
     cached_tokens: int | None = None  # on the first event: prompt tokens served by the prefix cache
+    exported: PrefilledKV | None = None  # on the last event of an ``export_kv`` request: its KV
 
 
 @dataclass
@@ -88,6 +93,16 @@ class _Handle:
     text: Detokenizer | None = None  # touched on the engine thread only, once admitted
     request_id: int | None = None
     finished: bool = False
+    export_kv: bool = False
+
+
+@dataclass(frozen=True)
+class _Prefilled:
+    """A request prefilled elsewhere: its reservation, and the received KV to fill it with."""
+
+    reservation: KVReservation
+    prefilled: PrefilledKV
+    blob: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,15 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     spans: tuple[MultimodalSpan, ...]
+    prefilled: _Prefilled | None = None
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run ``fn(llm)`` on the engine thread; ``done(result or exception)`` there after."""
+
+    fn: Callable[[LLM], Any]
+    done: Callable[[Any], None]
 
 
 @dataclass(frozen=True)
@@ -122,7 +146,7 @@ class AsyncEngine:
         self.llm = llm
         self.max_pending = max_pending
         self._on_step = on_step
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Flush | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Flush | _Call | None] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._pending = 0  # touched on the event loop only
         self._live: dict[int, _Handle] = {}  # engine thread only
@@ -164,6 +188,47 @@ class AsyncEngine:
         await stream.__anext__()  # the admission; from here the stream is started, so closing it aborts
         return stream  # type: ignore[return-value]  # yields only StreamEvents from now on
 
+    async def open_export(self, prompt_ids: list[int], params: SamplingParams,
+                          spans: Sequence[MultimodalSpan] = ()) -> AsyncGenerator[StreamEvent, None]:
+        """``open`` for a prefill worker's request: it ends after its first
+        token, whose event carries the request's packed KV (``exported``)."""
+        stream = self._stream(prompt_ids, params, spans, None, export_kv=True)
+        await stream.__anext__()
+        return stream  # type: ignore[return-value]
+
+    async def open_prefilled(self, reservation: KVReservation, prompt_ids: list[int], params: SamplingParams,
+                             prefilled: PrefilledKV, blob: torch.Tensor, spans: Sequence[MultimodalSpan] = (),
+                             text: Detokenizer | None = None) -> AsyncGenerator[StreamEvent, None]:
+        """``open`` for a request prefilled elsewhere: ``blob`` fills the
+        reservation, and the stream starts at the first token (ValueError if
+        it does not fit the reservation, which is then still held)."""
+        stream = self._stream(prompt_ids, params, spans, text, prefilled=_Prefilled(reservation, prefilled, blob))
+        await stream.__anext__()
+        return stream  # type: ignore[return-value]
+
+    def post(self, fn: Callable[[LLM], Any]) -> None:
+        """``fn(llm)`` on the engine thread, not waited for (a clean-up that
+        must happen even from a cancelled task)."""
+        self._send(_Call(fn, lambda _: None))
+
+    async def call(self, fn: Callable[[LLM], T]) -> T:
+        """``fn(llm)`` run on the engine thread, between steps (its exception is raised here)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def resolve(result: Any) -> None:
+            def settle() -> None:
+                if done.done():
+                    return
+                if isinstance(result, BaseException):
+                    done.set_exception(result)
+                else:
+                    done.set_result(result)
+            loop.call_soon_threadsafe(settle)
+
+        self._send(_Call(fn, resolve))
+        return await done
+
     async def generate(
         self,
         prompt_ids: list[int],
@@ -196,12 +261,14 @@ class AsyncEngine:
         params: SamplingParams,
         spans: Sequence[MultimodalSpan],
         text: Detokenizer | None,
+        export_kv: bool = False,
+        prefilled: _Prefilled | None = None,
     ) -> AsyncGenerator[StreamEvent | None, None]:
         if self._pending >= self.max_pending:
             raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
-        handle = _Handle(asyncio.get_running_loop(), asyncio.Queue(), text)
+        handle = _Handle(asyncio.get_running_loop(), asyncio.Queue(), text, export_kv=export_kv)
         self._pending += 1
-        self._send(_Add(handle, prompt_ids, params, tuple(spans)))
+        self._send(_Add(handle, prompt_ids, params, tuple(spans), prefilled))
         try:
             while True:
                 item = await handle.events.get()
@@ -224,7 +291,7 @@ class AsyncEngine:
         self._send(None)
         self._thread.join(timeout=10)
 
-    def _send(self, command: _Add | _Abort | _Flush | None) -> None:
+    def _send(self, command: _Add | _Abort | _Flush | _Call | None) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -261,6 +328,8 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Call):
+                self._call(command)
             elif isinstance(command, _Flush):
                 if self._broken is None:
                     self.llm.flush_cache()
@@ -277,7 +346,7 @@ class AsyncEngine:
             self._post(handle, EngineUnavailable(f"the engine is unavailable: {self._broken}"))
             return
         try:
-            rid = self.llm.add_request(command.prompt_ids, command.params, mm_spans=command.spans)
+            rid = self._admit(command)
         except ValueError as exc:
             self._post(handle, exc)
             return
@@ -289,6 +358,21 @@ class AsyncEngine:
         self._live[rid] = handle
         self._post(handle, _ADMITTED)
 
+    def _admit(self, command: _Add) -> int:
+        handle, prefilled = command.handle, command.prefilled
+        if prefilled is None:
+            return self.llm.add_request(command.prompt_ids, command.params, command.spans, handle.export_kv)
+        self.llm.fill_reservation(prefilled.reservation, prefilled.blob)
+        return self.llm.add_prefilled(prefilled.reservation, command.prompt_ids, command.params,
+                                      prefilled.prefilled, command.spans)
+
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self.llm)
+        except Exception as exc:  # noqa: BLE001 - the caller's to handle
+            result = exc
+        command.done(result)
+
     def _abort(self, handle: _Handle) -> None:
         # Identity, not just the id: after a rebuild a new request may have the old id.
         if handle.request_id is not None and self._live.get(handle.request_id) is handle:
@@ -298,10 +382,14 @@ class AsyncEngine:
     def _deliver(self, event: TokenEvent) -> None:
         handle = self._live.get(event.request_id)
         if handle is None:
+            if event.finish_reason is not None:
+                self.llm.take_export(event.request_id)  # an aborted prefill's KV, if it got that far
             return
         item = self._outcome(handle, event)
         if isinstance(item, BaseException) or item.finish_reason is not None:
             del self._live[event.request_id]
+            if handle.export_kv and not isinstance(item, BaseException):
+                item = replace(item, exported=self.llm.take_export(event.request_id))
             if event.finish_reason is None:  # ended by its text: free its KV now, before the next step
                 self.llm.abort(event.request_id)
         self._post(handle, item)

@@ -373,17 +373,24 @@ class Generation:
     num_prompt_tokens: int
     started: float
     worker_id: str | None = None  # which worker serves it, where a router chose one (the stack)
+    decode_worker_id: str = ""  # disaggregated: the worker decoding it
+
+    def _decode_worker(self) -> str:
+        return self.decode_worker_id or getattr(self.stream, "decode_worker_id", "")
 
     @property
     def headers(self) -> dict[str, str]:
         worker = self.worker_id or getattr(self.stream, "worker_id", None)
-        return {"x-swallow-worker": worker} if worker else {}
+        decode_worker = self._decode_worker()
+        return ({"x-swallow-worker": worker} if worker else {}) | (
+            {"x-swallow-decode-worker": decode_worker} if decode_worker else {})
 
     async def peeked(self) -> Generation:
         """This generation once its first event has arrived (the same events, from the first)."""
         first = await self.stream.__anext__()
         worker = self.worker_id or getattr(self.stream, "worker_id", None)
-        return Generation(_prepend(first, self.stream), self.num_prompt_tokens, self.started, worker)
+        return Generation(_prepend(first, self.stream), self.num_prompt_tokens, self.started, worker,
+                          self._decode_worker())
 
 
 async def _prepend(first: StreamEvent, rest: AsyncGenerator[StreamEvent, None]) -> AsyncGenerator[StreamEvent, None]:

@@ -193,6 +193,8 @@ class WorkerState:
     computed_tokens: int = 0  # prompt tokens routed here and not expected cached
     expected_cached_tokens: int = 0
     work_base: float = 0.0  # a worker that joins late starts level with the others
+    role: str = "both"  # "prefill" | "decode" | "both"
+    decoding: int = 0  # disaggregated requests sent here to decode, not finished yet
 
     @property
     def queued_tokens(self) -> int:
@@ -250,6 +252,7 @@ class Router:
         self._order = itertools.count()
         self._round_robin = 0
         self._routed_to: dict[Hashable, str] = {}
+        self._decoding_on: dict[Hashable, str] = {}
         self.decisions: dict[tuple[str, str], int] = {}  # (worker, reason) -> requests
 
     # ------------------------------------------------------------ workers
@@ -257,13 +260,17 @@ class Router:
     def workers(self) -> list[str]:
         return list(self._workers)
 
-    def add_worker(self, worker_id: str, geometry: CacheGeometry) -> None:
+    def add_worker(self, worker_id: str, geometry: CacheGeometry, role: str = "both") -> None:
         """A worker starts taking requests, with an empty index (a worker that
         registers again -- restarted -- starts from nothing too). Its work
         starts at the others' mean: a newcomer is not sent everything until
-        it has caught up with workers that ran for hours."""
+        it has caught up with workers that ran for hours. ``role``: with
+        decode workers present, prompts go to the others ("prefill" and
+        "both"), and a prefill worker's requests are decoded on a decode worker."""
+        if role not in ("prefill", "decode", "both"):
+            raise ValueError(f"unknown worker role {role!r}")
         others = [s.work for wid, s in self._workers.items() if wid != worker_id]
-        state = WorkerState(worker_id, PrefixIndex(geometry), next(self._order))
+        state = WorkerState(worker_id, PrefixIndex(geometry), next(self._order), role=role)
         state.work_base = sum(others) / len(others) if others else 0.0
         self._workers[worker_id] = state
 
@@ -289,11 +296,11 @@ class Router:
             state.reported_queue_tokens, state.running = queued_tokens, running
 
     # ------------------------------------------------------------ routing
-    def cached_tokens(self, tokens: Sequence[int]) -> dict[str, int]:
-        """Window-safe tokens of ``tokens`` (cache tokens) each worker can reuse."""
+    def cached_tokens(self, tokens: Sequence[int], states: Sequence[WorkerState] | None = None) -> dict[str, int]:
+        """Window-safe tokens of ``tokens`` (cache tokens) each worker (of ``states``) can reuse."""
         out: dict[str, int] = {}
         addresses: dict[tuple[bytes, int], list[bytes]] = {}
-        for state in self._workers.values():
+        for state in self._workers.values() if states is None else states:
             geometry = state.index.geometry
             key = (geometry.fingerprint, geometry.page_size)
             if key not in addresses:
@@ -306,8 +313,8 @@ class Router:
         and count it in that worker's load until ``prefill_done``."""
         if not self._workers:
             raise NoWorkers("no worker is available")
-        cached = self.cached_tokens(tokens) if self.policy == "kv-affinity" or len(self._workers) > 1 else {}
-        states = list(self._workers.values())
+        states = self._prefill_candidates()
+        cached = self.cached_tokens(tokens, states) if self.policy == "kv-affinity" or len(states) > 1 else {}
         if self.policy == "round-robin":
             state = states[self._round_robin % len(states)]
             self._round_robin += 1
@@ -321,6 +328,30 @@ class Router:
         self._account(state, request_id, len(tokens) - hit, hit)
         self.decisions[(state.worker_id, reason)] = self.decisions.get((state.worker_id, reason), 0) + 1
         return RouteDecision(state.worker_id, hit, max(cached.values(), default=0), reason)
+
+    def _prefill_candidates(self) -> list[WorkerState]:
+        """Where prompts go: every worker but the decode-only ones (all of
+        them if only decode workers are left: any worker can prefill)."""
+        states = [s for s in self._workers.values() if s.role != "decode"]
+        return states or list(self._workers.values())
+
+    def pick_decode(self, request_id: Hashable, prefill_worker: str) -> str | None:
+        """The decode worker for a request prefilled on ``prefill_worker``
+        (counted there until ``decode_done``), or None: it decodes where it
+        is prefilled (that worker does both, or no decode worker is up)."""
+        state = self._workers.get(prefill_worker)
+        decoders = [s for s in self._workers.values() if s.role == "decode"]
+        if state is None or state.role != "prefill" or not decoders:
+            return None
+        chosen = min(decoders, key=lambda s: (s.running + s.decoding, s.order))
+        chosen.decoding += 1
+        self._decoding_on[request_id] = chosen.worker_id
+        return chosen.worker_id
+
+    def decode_done(self, request_id: Hashable) -> None:
+        state = self._workers.get(self._decoding_on.pop(request_id, ""))
+        if state is not None:
+            state.decoding -= 1
 
     def _affinity(self, states: list[WorkerState], cached: dict[str, int], tokens: int) -> tuple[WorkerState, str]:
         """kv-affinity: the best score among the workers under the load bound."""
@@ -370,7 +401,8 @@ class Router:
             state.outstanding_tokens -= state.outstanding.pop(request_id, 0)
 
     def loads(self) -> dict[str, dict[str, int]]:
-        return {s.worker_id: {"queued_tokens": s.queued_tokens, "running": s.running, "routed": s.routed,
+        return {s.worker_id: {"role": s.role, "decoding": s.decoding,  # type: ignore[dict-item]
+                              "queued_tokens": s.queued_tokens, "running": s.running, "routed": s.routed,
                               "routed_uncached_tokens": s.computed_tokens, "work_tokens": round(s.work),
                               "routed_cached_tokens": s.expected_cached_tokens, "indexed_pages": len(s.index)}
                 for s in self._workers.values()}

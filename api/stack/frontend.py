@@ -67,7 +67,7 @@ class WorkerLinks(LinkSet[m.WorkerPong]):
         # No fingerprint (prefix caching off): nothing to reuse there, but it takes requests.
         geometry = CacheGeometry(pong.fingerprint or b"", max(pong.page_size, 1), pong.window_tokens,
                                  pong.keep_all_swa)
-        self.router.add_worker(pong.worker_id, geometry)  # from an empty index: a restarted worker has nothing
+        self.router.add_worker(pong.worker_id, geometry, pong.role)  # from an empty index: a restarted one has nothing
         self._registered[pong.worker_id] = link.address
 
     def on_down(self, link: Link[m.WorkerPong]) -> None:
@@ -180,9 +180,10 @@ class RemoteEngineClient:
         finished = False
         link: Link[m.WorkerPong] | None = None
         try:
-            link = self.workers.by_id(decision.worker_id)
+            link, prefill_by, prefill_incarnation = self._links_for(request_id, decision.worker_id, routed)
             submit = m.Submit(request_id, link.incarnation, list(prompt_ids),
-                              [m.SpanSpec(s.offset, s.length, s.key) for s in spans], m.SamplingSpec.of(params))
+                              [m.SpanSpec(s.offset, s.length, s.key) for s in spans], m.SamplingSpec.of(params),
+                              prefill_by, prefill_incarnation)
             queue = await self.workers.request(link, request_id, submit)
             answer = await queue.get()
             if not isinstance(answer, m.Admitted):
@@ -203,10 +204,27 @@ class RemoteEngineClient:
         finally:
             self._pending -= 1
             self.router.prefill_done(request_id)
+            self.router.decode_done(request_id)
             if link is not None:
                 link.waiting.pop(request_id, None)
                 if not finished and link.alive:  # the client left, or a stop string ended it here
                     await self.workers._send(link, m.Abort(request_id))
+
+    def _links_for(self, request_id: str, prefill_worker: str,
+                   routed: RoutedStream) -> tuple[Link[m.WorkerPong], str, str]:
+        """The link the request goes to and, disaggregated, the prefill
+        worker's address and incarnation it is to get its KV from."""
+        prefill = self.workers.by_id(prefill_worker)
+        decode_worker = self.router.pick_decode(request_id, prefill_worker)
+        if decode_worker is None:
+            return prefill, "", ""
+        try:
+            decode = self.workers.by_id(decode_worker)
+        except ServiceDown:
+            self.router.decode_done(request_id)
+            return prefill, "", ""  # its decode worker just went: decode where it is prefilled
+        routed.decode_worker_id = decode_worker
+        return decode, prefill.address, prefill.incarnation
 
     async def _tokens(self, queue: asyncio.Queue[Any], request_id: str,
                       text: Detokenizer | None) -> AsyncGenerator[StreamEvent, None]:
@@ -232,7 +250,8 @@ class RoutedStream:
 
     def __init__(self) -> None:
         self.stream: AsyncGenerator[StreamEvent, None] | None = None
-        self.worker_id = ""
+        self.worker_id = ""  # where its prompt is computed
+        self.decode_worker_id = ""  # disaggregated: where it is decoded
 
     def __aiter__(self) -> RoutedStream:
         return self

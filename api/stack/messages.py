@@ -11,6 +11,11 @@ to every API that pings it), ``Submit``, ``Abort``, ``Flush``,
 ``SnapshotRequest``. Worker -> API: ``WorkerPong``, ``Admitted``,
 ``Refused``, ``Tokens``, ``Failed``, ``KVEventsMsg``, ``Flushed``.
 
+Disaggregation, decode worker -> prefill worker: ``PrefillRequest`` (the
+KV goes into the buffer its ticket names), ``AbortPrefill``, ``Probe``
+(liveness while it waits). Prefill worker -> decode worker: ``Prefilled``
+(the KV is sent; the first token), ``PrefillFailed``, ``ProbeAck``.
+
 API -> encoder: ``Ping``, ``EmbedMedia``. Encoder -> API: ``EncoderPong``,
 ``Embedded``, ``EmbedFailed``.
 
@@ -30,12 +35,13 @@ from llm_core.grammar import GrammarSpec
 from llm_core.kv_events import EventBatch, KVEvent, Medium
 
 __all__ = [
-    "PROTOCOL_VERSION", "Abort", "Admitted", "EmbedFailed", "EmbedMedia", "Embedded", "EncoderPong", "Failed",
+    "PROTOCOL_VERSION", "Abort", "AbortPrefill", "Admitted", "Prefilled", "PrefillFailed", "PrefillRequest",
+    "Probe", "ProbeAck", "Ticket", "EmbedFailed", "EmbedMedia", "Embedded", "EncoderPong", "Failed",
     "Flush", "Flushed", "KVEventsMsg", "Message", "Ping", "ProtocolError", "Refused", "SamplingSpec",
     "SnapshotRequest", "SpanSpec", "Submit", "Tokens", "WorkerPong", "decode", "encode",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class ProtocolError(ValueError):
@@ -98,6 +104,61 @@ class Submit(_Msg):
     prompt_ids: list[int]
     spans: list[SpanSpec]
     sampling: SamplingSpec
+    # Disaggregated: the prefill worker's address and incarnation; this (decode) worker gets the KV from it.
+    prefill_by: str = ""
+    prefill_incarnation: str = ""
+
+
+class Ticket(msgspec.Struct, array_like=True, frozen=True):
+    """``llm_core.kv_transport.TransferTicket`` on the wire."""
+
+    transport: str
+    transfer_id: str
+    nbytes: int
+    address: str
+    group: str
+    tag: int
+
+
+class PrefillRequest(_Msg):
+    transfer_id: str
+    incarnation: str  # the prefill worker's, as the API routed it
+    prompt_ids: list[int]
+    spans: list[SpanSpec]
+    sampling: SamplingSpec
+    ticket: Ticket
+    page_size: int  # the receiver's KV layout: a sender of another layout refuses
+    swa_mode: str
+
+
+class AbortPrefill(_Msg):
+    transfer_id: str
+
+
+class Probe(_Msg):
+    transfer_id: str
+
+
+class ProbeAck(_Msg):
+    transfer_id: str
+    known: bool  # False: the prefill worker has no such transfer (restarted, or done)
+
+
+class Prefilled(_Msg):
+    transfer_id: str
+    first_token: int
+    seed: int
+    cached_tokens: int
+    finish_reason: str | None
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]]
+    nbytes: int
+
+
+class PrefillFailed(_Msg):
+    transfer_id: str
+    status: int
+    message: str
 
 
 class Abort(_Msg):
@@ -128,6 +189,7 @@ class WorkerPong(_Msg):
     waiting: int
     pending: int
     stats: dict[str, Any]
+    role: str = "both"  # "prefill" | "decode" | "both"
 
 
 class Admitted(_Msg):
@@ -217,7 +279,8 @@ class EncoderPong(_Msg):
 
 
 Message = (Ping | Submit | Abort | Flush | SnapshotRequest | WorkerPong | Admitted | Refused | Tokens | Failed
-           | KVEventsMsg | Flushed | EmbedMedia | Embedded | EmbedFailed | EncoderPong)
+           | KVEventsMsg | Flushed | EmbedMedia | Embedded | EmbedFailed | EncoderPong | PrefillRequest
+           | AbortPrefill | Probe | ProbeAck | Prefilled | PrefillFailed)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]

@@ -71,11 +71,17 @@ def plan_stack(
     engine_args: Sequence[str] = (),
     kv_disk_dir: str | None = None,
     log_level: str = "info",
+    worker_roles: Sequence[str] = (),
+    worker_args: Sequence[str] = (),
 ) -> StackPlan:
     """Encoders first, then workers, then the API that connects to them all.
     ``internal_ports``: two per encoder and worker (message, health), on
     localhost; ``*_args`` are passed through to the roles that take them;
-    each worker gets its own directory under ``kv_disk_dir``."""
+    each worker gets its own directory under ``kv_disk_dir``. ``worker_roles``:
+    each worker's ``--role`` (default: "both" for all); ``worker_args``: the
+    workers' own options (e.g. the KV transport)."""
+    if worker_roles and len(worker_roles) != workers:
+        raise ValueError(f"{len(worker_roles)} worker roles for {workers} workers")
     if workers < 1:
         raise ValueError("a stack needs at least one worker")
     if encoders < 0:
@@ -95,7 +101,9 @@ def plan_stack(
             if role == "encoder":
                 argv += ["--embedding-cache-mib", str(embedding_cache_mib)]
             else:
-                argv += list(engine_args)
+                argv += [*engine_args, *worker_args]
+                if worker_roles:
+                    argv += ["--role", worker_roles[i]]
                 if kv_disk_dir:
                     argv += ["--kv-disk-dir", str(Path(kv_disk_dir) / name)]
             roles.append(RolePlan(name, role, tuple(argv), f"http://{local}:{health_port}/health",

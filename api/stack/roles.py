@@ -77,7 +77,7 @@ def _worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(
         _model_dir(args), args.host, args.port, args.health_port, _id(args, "worker"), engine_options(args),
         args.max_pending_requests, args.embedding_cache_name, args.embedding_peers, args.embedding_node,
-        args.log_level)
+        args.log_level, args.role, args.kv_transport, args.transfer_timeout)
     asyncio.run(run_worker(config))
     return 0
 
@@ -86,17 +86,23 @@ def _stack(args: argparse.Namespace) -> int:
     from api.stack.plan import free_ports, plan_stack
     from api.stack.supervisor import run_stack
 
-    count = 2 * (args.workers + args.encoders)
+    roles = ["prefill"] * args.prefill_workers + ["decode"] * args.decode_workers
+    if bool(args.prefill_workers) != bool(args.decode_workers):
+        raise ValueError("a disaggregated stack needs both --prefill-workers and --decode-workers")
+    workers = len(roles) or args.workers
+    count = 2 * (workers + args.encoders)
     ports = list(range(args.base_port, args.base_port + count)) if args.base_port else free_ports(count)
     plan = plan_stack(
-        _model_dir(args), workers=args.workers, encoders=args.encoders, host=args.host, port=args.port,
+        _model_dir(args), workers=workers, encoders=args.encoders, host=args.host, port=args.port,
         internal_ports=ports, store_name=f"swallow-stack-{os.getpid()}", embedding_cache_mib=args.embedding_cache_mib,
         route_args=_passed(args, ("--route-policy", "route_policy"), ("--route-load-weight", "route_load_weight"),
                           ("--route-max-load-ratio", "route_max_load_ratio")),
         http_args=_passed(args, ("--served-model-name", "served_model_name"), ("--api-key", "api_key"),
                           ("--max-upload-mb", "max_upload_mb"), ("--spool-dir", "spool_dir"),
                           ("--max-pending-requests", "max_pending_requests")),
-        engine_args=_engine_args(args), kv_disk_dir=args.kv_disk_dir, log_level=args.log_level)
+        engine_args=_engine_args(args), kv_disk_dir=args.kv_disk_dir, log_level=args.log_level,
+        worker_roles=roles, worker_args=["--kv-transport", args.kv_transport, "--transfer-timeout",
+                                         str(args.transfer_timeout)] if roles else [])
     return run_stack(plan, int(args.embedding_cache_mib * (1 << 20)), print_plan=args.print_plan)
 
 

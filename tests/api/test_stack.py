@@ -28,7 +28,6 @@ import pytest
 import torch
 
 from demo.evaluate import _answer, _request
-from demo.world import make_eval_set, write_media
 from api.launch import RunningStack, launch_stack
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel
@@ -44,18 +43,6 @@ pytestmark = pytest.mark.slow
 def stack() -> Iterator[RunningStack]:
     with launch_stack(DEMO, "--route-policy", "round-robin", workers=2, encoders=1) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def media_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, list[Path]]]:
-    """One sample of the demo world per media kind: (question, files)."""
-    out: dict[str, tuple[str, list[Path]]] = {}
-    directory = tmp_path_factory.mktemp("media")
-    for i, sample in enumerate(make_eval_set(seed=4242, per_task=1)):
-        kind = sample.media[0] if sample.media else "text"
-        if kind not in out:
-            out[kind] = (sample.question, write_media(sample, directory, f"s{i}"))
-    return out
 
 
 def _chat(url: str, question: str, files: list[Path], max_tokens: int = 24) -> dict[str, Any]:

@@ -1,0 +1,21 @@
+"""Fixtures shared by the stack tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from demo.world import make_eval_set, write_media
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, list[Path]]]:
+    """One sample of the demo world per media kind: (question, files)."""
+    out: dict[str, tuple[str, list[Path]]] = {}
+    directory = tmp_path_factory.mktemp("media")
+    for i, sample in enumerate(make_eval_set(seed=4242, per_task=1)):
+        kind = sample.media[0] if sample.media else "text"
+        if kind not in out:
+            out[kind] = (sample.question, write_media(sample, directory, f"s{i}"))
+    return out
