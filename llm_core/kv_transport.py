@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import uuid
+from collections import OrderedDict
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -38,6 +39,7 @@ __all__ = ["KVTransport", "ReceiveSlot", "SharedMemoryTransport", "TorchDistribu
            "TransferTicket", "make_transport"]
 
 log = logging.getLogger(__name__)
+_MIN_SEGMENT = 1 << 20
 
 
 class TransferError(RuntimeError):
@@ -95,58 +97,106 @@ def _untrack(shm: SharedMemory) -> None:
 
 
 class _SharedMemorySlot(ReceiveSlot):
-    def __init__(self, ticket: TransferTicket, shm: SharedMemory) -> None:
+    def __init__(self, ticket: TransferTicket, shm: SharedMemory, transport: SharedMemoryTransport) -> None:
         super().__init__(ticket)
         self._shm: SharedMemory | None = shm
-        self._view: torch.Tensor | None = None
+        self._transport = transport
+        self._delivered = False
 
     def result(self, timeout: float) -> torch.Tensor:
         if self._shm is None:
             raise TransferError("the transfer was closed")
         # The sender's "sent" message is the only signal: its bytes are in the segment by then.
-        self._view = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.ticket.nbytes) \
-            if self.ticket.nbytes else torch.empty(0, dtype=torch.uint8)
-        return self._view
+        self._delivered = True
+        if not self.ticket.nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.ticket.nbytes)
 
     def close(self) -> None:
         shm, self._shm = self._shm, None
-        if shm is None:
-            return
-        self._view = None
-        try:
-            shm.close()
-        except BufferError:
-            log.warning("a KV transfer buffer was still in use at close")
-        try:  # not shm.unlink(): the resource tracker no longer knows the segment
-            os.unlink(f"/dev/shm/{shm.name.lstrip('/')}")
-        except FileNotFoundError:
-            pass
+        if shm is not None:
+            self._transport.give_back(shm, reusable=self._delivered)
 
 
 class SharedMemoryTransport(KVTransport):
-    """Between processes on one host."""
+    """Between processes on one host. Segments of delivered transfers are
+    kept for the next ones (a fresh segment costs a page fault per page on
+    both sides); one whose transfer failed is unlinked, never reused, since
+    its sender may still be writing into it."""
 
     name = "shm"
 
+    def __init__(self, keep_segments: int = 8, keep_attached: int = 16) -> None:
+        self.keep_segments = keep_segments
+        self._free: list[SharedMemory] = []  # receiving side: delivered segments, ready again
+        self._attached: OrderedDict[str, SharedMemory] = OrderedDict()  # sending side: receivers' segments
+        self._lock = threading.Lock()
+        self._keep_attached = keep_attached
+
     def open_receive(self, nbytes: int, peer: str) -> ReceiveSlot:
-        transfer_id = uuid.uuid4().hex[:16]
-        shm = SharedMemory(f"swallow-kv-{transfer_id}", create=True, size=max(nbytes, 1))
-        _untrack(shm)
-        return _SharedMemorySlot(TransferTicket(self.name, transfer_id, nbytes, shm.name), shm)
+        with self._lock:
+            fits = [s for s in self._free if nbytes <= s.size <= max(2 * nbytes, _MIN_SEGMENT)]
+            shm = min(fits, key=lambda s: s.size) if fits else None
+            if shm is not None:
+                self._free.remove(shm)
+        if shm is None:
+            size = max(_MIN_SEGMENT, 1 << max(0, nbytes - 1).bit_length())
+            shm = SharedMemory(f"swallow-kv-{uuid.uuid4().hex[:16]}", create=True, size=size)
+            _untrack(shm)
+        return _SharedMemorySlot(TransferTicket(self.name, uuid.uuid4().hex[:16], nbytes, shm.name), shm, self)
+
+    def give_back(self, shm: SharedMemory, reusable: bool) -> None:
+        with self._lock:
+            if reusable and len(self._free) < self.keep_segments:
+                self._free.append(shm)
+                return
+        _unlink(shm)
 
     def send(self, ticket: TransferTicket, blob: torch.Tensor, timeout: float) -> None:
         if blob.numel() != ticket.nbytes:
             raise TransferError(f"the receiver expects {ticket.nbytes} bytes, the KV is {blob.numel()}")
+        shm = self._attach(ticket.address)
+        if blob.numel() > shm.size:
+            raise TransferError(f"the receiver's buffer holds {shm.size} bytes, the KV is {blob.numel()}")
+        if blob.numel():
+            torch.frombuffer(shm.buf, dtype=torch.uint8, count=blob.numel()).copy_(blob.reshape(-1))
+
+    def _attach(self, name: str) -> SharedMemory:
+        with self._lock:
+            shm = self._attached.get(name)
+            if shm is not None:
+                self._attached.move_to_end(name)
+                return shm
         try:
-            shm = SharedMemory(ticket.address)
+            shm = SharedMemory(name)
         except FileNotFoundError as exc:
             raise TransferError("the receiver's buffer is gone (the request was aborted)") from exc
         _untrack(shm)
-        try:
-            if blob.numel():
-                torch.frombuffer(shm.buf, dtype=torch.uint8, count=blob.numel()).copy_(blob.reshape(-1))
-        finally:
+        with self._lock:
+            self._attached[name] = shm
+            while len(self._attached) > self._keep_attached:
+                self._attached.popitem(last=False)[1].close()
+        return shm
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+            attached, self._attached = list(self._attached.values()), OrderedDict()
+        for shm in free:
+            _unlink(shm)
+        for shm in attached:
             shm.close()
+
+
+def _unlink(shm: SharedMemory) -> None:
+    try:
+        shm.close()
+    except BufferError:
+        log.warning("a KV transfer buffer was still in use at close")
+    try:  # not shm.unlink(): the resource tracker no longer knows the segment
+        os.unlink(f"/dev/shm/{shm.name.lstrip('/')}")
+    except FileNotFoundError:
+        pass
 
 
 # ------------------------------------------------------- torch.distributed

@@ -221,3 +221,35 @@ def test_unknown_policies_and_weights_are_refused() -> None:
         Router("random")
     with pytest.raises(ValueError):
         Router(load_weight=-1)
+
+
+def test_with_decode_workers_prompts_go_to_the_others_and_decodes_to_the_least_busy() -> None:
+    geometry = CacheGeometry(b"fp", 4, 8, False)
+    router = Router("kv-affinity")
+    router.add_worker("p", geometry, "prefill")
+    router.add_worker("d0", geometry, "decode")
+    router.add_worker("d1", geometry, "decode")
+    picks = []
+    for i in range(4):
+        decision = router.route(i, list(range(40 + i)))
+        assert decision.worker_id == "p"
+        picks.append(router.pick_decode(i, decision.worker_id))
+    assert sorted(picks) == ["d0", "d0", "d1", "d1"]
+    assert router.loads()["d0"]["decoding"] == 2
+    for i in range(4):
+        router.decode_done(i)
+    assert router.loads()["d0"]["decoding"] == router.loads()["d1"]["decoding"] == 0
+    router.report_load("d0", 0, running=5)
+    assert router.pick_decode(9, "p") == "d1"
+
+
+def test_a_worker_doing_both_decodes_its_own_and_decode_workers_alone_still_serve() -> None:
+    geometry = CacheGeometry(b"fp", 4, 8, False)
+    router = Router("kv-affinity")
+    router.add_worker("both", geometry)
+    router.add_worker("d", geometry, "decode")
+    assert router.route(1, [1, 2, 3]).worker_id == "both"
+    assert router.pick_decode(1, "both") is None
+    router.remove_worker("both")
+    assert router.route(2, [1, 2, 3]).worker_id == "d"  # any worker can prefill
+    assert router.pick_decode(2, "d") is None
