@@ -26,16 +26,16 @@ def _blob(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-def _send(name: str, ticket: TransferTicket, hang: bool) -> None:
-    transport = make_transport(name)
+def _send(name: str, ticket: TransferTicket, hang: bool, device: str = "cpu") -> None:
+    transport = make_transport(name, device=torch.device(device))
     if hang:  # a prefill worker that dies before it sends
         time.sleep(60)
     transport.send(ticket, _blob(), timeout=10)
     time.sleep(0.5)  # the peer reads before this process (and its gloo pair) goes away
 
 
-def _sender(name: str, ticket: TransferTicket, hang: bool = False) -> mp.Process:
-    process = mp.get_context("spawn").Process(target=_send, args=(name, ticket, hang), daemon=True)
+def _sender(name: str, ticket: TransferTicket, hang: bool = False, device: str = "cpu") -> mp.Process:
+    process = mp.get_context("spawn").Process(target=_send, args=(name, ticket, hang, device), daemon=True)
     process.start()
     return process
 
@@ -83,3 +83,17 @@ def test_sending_into_a_closed_shared_memory_slot_is_an_error() -> None:
         transport.send(slot.ticket, torch.zeros(8, dtype=torch.uint8), timeout=1)
     with pytest.raises(TransferError):
         transport.send(TransferTicket("shm", "x", 4, slot.ticket.address), torch.zeros(8, dtype=torch.uint8), 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL point-to-point needs two CUDA devices")
+def test_nccl_moves_a_blob_between_two_devices() -> None:
+    transport = TorchDistributedTransport(device=torch.device("cuda:0"), timeout=60)
+    assert transport.backend == "nccl"
+    slot = transport.open_receive(NBYTES, peer="prefill-gpu")
+    sender = _sender("torch", slot.ticket, device="cuda:1")
+    try:
+        assert torch.equal(slot.result(timeout=60), _blob())
+    finally:
+        sender.join(60)
+    assert sender.exitcode == 0
