@@ -40,6 +40,7 @@ __all__ = ["KVTransport", "ReceiveSlot", "SharedMemoryTransport", "TorchDistribu
 
 log = logging.getLogger(__name__)
 _MIN_SEGMENT = 1 << 20
+_SEGMENT_PREFIX = "swallow-kv-"
 
 
 class TransferError(RuntimeError):
@@ -127,6 +128,7 @@ class SharedMemoryTransport(KVTransport):
     name = "shm"
 
     def __init__(self, keep_segments: int = 8, keep_attached: int = 16) -> None:
+        _reap_orphans()
         self.keep_segments = keep_segments
         self._free: list[SharedMemory] = []  # receiving side: delivered segments, ready again
         self._attached: OrderedDict[str, SharedMemory] = OrderedDict()  # sending side: receivers' segments
@@ -141,7 +143,7 @@ class SharedMemoryTransport(KVTransport):
                 self._free.remove(shm)
         if shm is None:
             size = max(_MIN_SEGMENT, 1 << max(0, nbytes - 1).bit_length())
-            shm = SharedMemory(f"swallow-kv-{uuid.uuid4().hex[:16]}", create=True, size=size)
+            shm = SharedMemory(f"{_SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}", create=True, size=size)
             _untrack(shm)
         return _SharedMemorySlot(TransferTicket(self.name, uuid.uuid4().hex[:16], nbytes, shm.name), shm, self)
 
@@ -186,6 +188,34 @@ class SharedMemoryTransport(KVTransport):
             _unlink(shm)
         for shm in attached:
             shm.close()
+
+
+def _reap_orphans() -> None:
+    """Unlink the segments of receivers that died without closing them (a
+    killed decode worker): a segment's name starts with its creator's pid."""
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return
+    for name in names:
+        if not name.startswith(_SEGMENT_PREFIX):
+            continue
+        pid = name[len(_SEGMENT_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _unlink(shm: SharedMemory) -> None:

@@ -97,3 +97,14 @@ def test_nccl_moves_a_blob_between_two_devices() -> None:
     finally:
         sender.join(60)
     assert sender.exitcode == 0
+
+
+def test_segments_of_a_dead_receiver_are_reaped_by_the_next_one() -> None:
+    dead = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    dead.start()
+    dead.join()
+    orphan = f"/dev/shm/swallow-kv-{dead.pid}-0123456789abcdef"
+    with open(orphan, "wb") as f:
+        f.write(b"x")
+    SharedMemoryTransport()
+    assert not os.path.exists(orphan)
