@@ -86,6 +86,10 @@ class KVTransport(ABC):
     def send(self, ticket: TransferTicket, blob: torch.Tensor, timeout: float) -> None:
         """Deliver ``blob`` as ``ticket`` says (TransferError if it cannot)."""
 
+    @abstractmethod
+    def buffers(self) -> dict[str, int]:
+        """Receive buffers: ``in_use`` by open transfers, ``idle`` kept for the next ones."""
+
     def close(self) -> None:
         pass
 
@@ -131,6 +135,7 @@ class SharedMemoryTransport(KVTransport):
         _reap_orphans()
         self.keep_segments = keep_segments
         self._free: list[SharedMemory] = []  # receiving side: delivered segments, ready again
+        self._in_use = 0
         self._attached: OrderedDict[str, SharedMemory] = OrderedDict()  # sending side: receivers' segments
         self._lock = threading.Lock()
         self._keep_attached = keep_attached
@@ -141,6 +146,7 @@ class SharedMemoryTransport(KVTransport):
             shm = min(fits, key=lambda s: s.size) if fits else None
             if shm is not None:
                 self._free.remove(shm)
+            self._in_use += 1
         if shm is None:
             size = max(_MIN_SEGMENT, 1 << max(0, nbytes - 1).bit_length())
             shm = SharedMemory(f"{_SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}", create=True, size=size)
@@ -149,10 +155,15 @@ class SharedMemoryTransport(KVTransport):
 
     def give_back(self, shm: SharedMemory, reusable: bool) -> None:
         with self._lock:
+            self._in_use -= 1
             if reusable and len(self._free) < self.keep_segments:
                 self._free.append(shm)
                 return
         _unlink(shm)
+
+    def buffers(self) -> dict[str, int]:
+        with self._lock:
+            return {"in_use": self._in_use, "idle": len(self._free)}
 
     def send(self, ticket: TransferTicket, blob: torch.Tensor, timeout: float) -> None:
         if blob.numel() != ticket.nbytes:
@@ -267,6 +278,7 @@ class _TorchSlot(ReceiveSlot):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._transport = transport
+        self._closed = False
         threading.Thread(target=self._receive, name="swallow-kv-recv", daemon=True).start()
 
     def _receive(self) -> None:
@@ -290,7 +302,10 @@ class _TorchSlot(ReceiveSlot):
         return self._buffer if self._buffer.device.type == "cpu" else self._buffer.cpu()
 
     def close(self) -> None:
-        pass  # the receiving thread ends with the transfer or its deadline
+        # The receiving thread ends with the transfer or its deadline; the buffer is the GC's.
+        if not self._closed:
+            self._closed = True
+            self._transport.slot_closed()
 
 
 class TorchDistributedTransport(KVTransport):
@@ -316,6 +331,7 @@ class TorchDistributedTransport(KVTransport):
         self._tags = itertools.count()
         self._stores: dict[str, dist.Store] = {}  # receivers' stores, by address (sending side)
         self._lock = threading.Lock()
+        self._in_use = 0
 
     def _pair(self, peer: str) -> str:
         with self._lock:
@@ -334,7 +350,17 @@ class TorchDistributedTransport(KVTransport):
     def open_receive(self, nbytes: int, peer: str) -> ReceiveSlot:
         ticket = TransferTicket(self.name, uuid.uuid4().hex[:16], nbytes, self.address, self._pair(peer),
                                 next(self._tags) % (1 << 31))
+        with self._lock:
+            self._in_use += 1
         return _TorchSlot(ticket, torch.empty(nbytes, dtype=torch.uint8, device=self.device), self)
+
+    def slot_closed(self) -> None:
+        with self._lock:
+            self._in_use -= 1
+
+    def buffers(self) -> dict[str, int]:
+        with self._lock:
+            return {"in_use": self._in_use, "idle": 0}
 
     def _store_of(self, address: str) -> dist.Store:
         with self._lock:

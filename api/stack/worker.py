@@ -194,7 +194,8 @@ class WorkerService:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats() | {"embeddings": dict(self.embedding_reads), "role": self.config.role,
-                                      "disaggregation": dict(self.disagg)}
+                                      "disaggregation": dict(self.disagg),
+                                      "transfer_buffers": {name: t.buffers() for name, t in self._transports.items()}}
 
     def _pong(self, ping: m.Ping) -> m.WorkerPong:
         stats = self.stats()

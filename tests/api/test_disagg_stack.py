@@ -115,12 +115,11 @@ def _abandoned_stream(url: str, prompt: str, wait_s: float) -> None:
         pass
 
 
-def _swallow_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("swallow-kv-")}
+def _segments_of(pid: int) -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"swallow-kv-{pid}-")}
 
 
 def test_aborts_during_transfer_leave_every_pool_at_capacity(stack: RunningStack) -> None:
-    before = _swallow_segments()
     prompts = [" ".join(["the red circle moves left and the blue square"] * (8 + 3 * i)) for i in range(6)]
     threads = [threading.Thread(target=_abandoned_stream, args=(stack.url, p, 0.05 + 0.1 * i)) for i, p in
                enumerate(prompts)]
@@ -151,7 +150,12 @@ def test_aborts_during_transfer_leave_every_pool_at_capacity(stack: RunningStack
         own = _worker_stats(stack, name)
         for pool in ("full_pool", "swa_pool"):
             assert own[pool]["free_tokens"] == own[pool]["capacity_tokens"], (name, pool, own[pool])
-    assert _swallow_segments() <= before, "a transfer buffer outlived its request"
+    # What is left of the transfer buffers is the decode worker's idle ones, kept for reuse.
+    buffers = _worker_stats(stack, "worker-1")["transfer_buffers"]["shm"]
+    decode_pid = stack.roles["worker-1"].current_pid()
+    assert decode_pid is not None
+    assert buffers["in_use"] == 0, buffers
+    assert len(_segments_of(decode_pid)) == buffers["idle"], "a transfer buffer outlived its request"
 
 
 def test_a_prefill_worker_stopped_and_killed_mid_transfer_gives_the_fallback(stack: RunningStack) -> None:

@@ -108,3 +108,21 @@ def test_segments_of_a_dead_receiver_are_reaped_by_the_next_one() -> None:
         f.write(b"x")
     SharedMemoryTransport()
     assert not os.path.exists(orphan)
+
+
+def test_shared_memory_buffers_are_counted_in_use_and_kept_idle_only_when_delivered() -> None:
+    transport = SharedMemoryTransport(keep_segments=1)
+    try:
+        delivered, failed = transport.open_receive(1000, "peer"), transport.open_receive(1000, "peer")
+        assert transport.buffers() == {"in_use": 2, "idle": 0}
+        transport.send(delivered.ticket, torch.ones(1000, dtype=torch.uint8), 1.0)
+        assert int(delivered.result(1.0).sum()) == 1000
+        delivered.close()
+        failed.close()
+        delivered.close()  # idempotent
+        assert transport.buffers() == {"in_use": 0, "idle": 1}
+        assert not os.path.exists(f"/dev/shm/{failed.ticket.address}")
+        assert os.path.exists(f"/dev/shm/{delivered.ticket.address}")
+    finally:
+        transport.close()
+    assert not os.path.exists(f"/dev/shm/{delivered.ticket.address}")
