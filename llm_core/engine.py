@@ -14,6 +14,7 @@ import torch
 from llm_core.block_table import BlockTable
 from llm_core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llm_core.device import to_device
+from llm_core.expert_parallel import ExpertParallelError
 from llm_core.disagg import KVReservation, PrefilledKV, SequenceKVPacker
 from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SequenceView, SWAKVPool, SWAMode
 from llm_core.model import MiMoV2ForCausalLM
@@ -911,7 +912,8 @@ class Engine:
         return SamplingRow(sampling.params, sampling.seed, len(seq.output))
 
     def _isolate(self, chunks: list[ScheduledChunk], exc: Exception) -> list[TokenEvent]:
-        if self._device_lost():
+        # A lost expert-parallel rank fails every forward: no request explains it.
+        if isinstance(exc, ExpertParallelError) or self._device_lost():
             raise EngineFault(f"the {self.device} device failed: {type(exc).__name__}: {exc}") from exc
         if len(chunks) == 1:
             return [self._fail(chunks[0].seq, exc)]

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm_core.config import AttentionSpec, ModelConfig
+from llm_core.expert_parallel import ExpertParallel, sharded_moe
 
 
 class RMSNorm(nn.Module):
@@ -242,7 +243,21 @@ class SparseMoE(nn.Module):
         self.experts = RoutedExperts(
             config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         )
+        # Set by ``shard``: ``experts`` is then this rank's block of the group's.
+        self.ep: ExpertParallel | None = None
+
+    def shard(self, ep: ExpertParallel) -> None:
+        """Keep only the routed experts ``ep``'s rank owns (the router stays
+        whole). On the meta device before loading, nothing is allocated."""
+        owned = ep.experts(self.gate.num_experts)
+        part = slice(owned.start, owned.stop)
+        # Clones, so that the full tensors are freed with the old module.
+        self.experts = RoutedExperts.over(self.experts.gate_up_proj[part].clone(),
+                                          self.experts.down_proj[part].clone())
+        self.ep = ep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ep is not None and self.ep.size > 1:
+            return sharded_moe(x, self.gate, self.experts, self.ep)
         weights, expert_ids = self.gate(x)
         return self.experts(x, weights, expert_ids)

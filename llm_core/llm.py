@@ -13,6 +13,8 @@ from llm_core.config import ModelConfig
 from llm_core.disagg import KVReservation, PrefilledKV
 from llm_core.grammar import GrammarCompiler
 from llm_core.engine import Engine, EngineConfig, TokenEvent
+from llm_core.ep_engine import EPLeader, LocalGroup, check_engine_config, handshake, launch_local_group
+from llm_core.expert_parallel import ExpertParallel, ExpertParallelError
 from llm_core.kv_events import KVEventLog
 from llm_core.multimodal import MultimodalSpan, check_spans
 from llm_core.sampling import SamplingParams
@@ -42,6 +44,8 @@ class LLM:
         device: str = "cpu",
         dtype: str = "float32",
         kv_events: KVEventLog | None = None,
+        ep_size: int = 1,
+        ep: ExpertParallel | None = None,
         **engine_options: Any,
     ) -> None:
         """``engine_options`` are ``EngineConfig`` fields: ``kv_budget_bytes``,
@@ -56,26 +60,59 @@ class LLM:
         the device pools; ``close()`` writes host-only entries to disk) and
         ``kv_restore_layerwise`` (host restores beside the forward, layer by
         layer; default on CUDA). ``kv_events``: the prefix cache records what it
-        holds there, for a router (a rebuilt engine starts a new epoch)."""
+        holds there, for a router (a rebuilt engine starts a new epoch).
+
+        ``ep_size`` > 1: expert parallelism over that many processes on this
+        host, this one rank 0 (``llm_core.ep_engine``), eager and without KV
+        tiers; ``ep``: this process's rank of a group built elsewhere."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.model_dir = Path(model)
         self.device = torch.device(device)
-        self.model = load_model(self.model_dir, self.device, DTYPES[dtype])
+        engine_config = EngineConfig(**engine_options)
+        if ep is not None or ep_size > 1:
+            engine_config = check_engine_config(engine_config)  # before any process starts
+        self.kv_events = kv_events
+        self._ep_local: LocalGroup | None = None
+        self._ep_leader: EPLeader | None = None
+        if ep is None and ep_size > 1:
+            self._ep_local = launch_local_group(ep_size, self.model_dir, device, dtype, engine_options)
+            ep = self._ep_local.ep
+        self.ep = ep
+        try:
+            self._build(DTYPES[dtype], engine_config)
+        except BaseException:
+            self._stop_followers(wait=False)  # a leader that cannot start leaves no rank behind
+            raise
+
+    def _build(self, dtype: torch.dtype, engine_config: EngineConfig) -> None:
+        self.model = load_model(self.model_dir, self.device, dtype, ep=self.ep)
         self.config: ModelConfig = self.model.config
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
-        engine_config = EngineConfig(**engine_options)
-        self.kv_events = kv_events
         tokenizer_file = self.model_dir / TOKENIZER_FILE
         # Structured outputs need the tokenizer's vocabulary; a checkpoint without one refuses grammars.
         self.grammars = GrammarCompiler.from_file(tokenizer_file, self.config.vocab_size, self.config.eos_token_ids) \
             if tokenizer_file.exists() and self.config.eos_token_ids else None
-        self.engine = Engine(self.model, engine_config, self.device, kv_events, self.grammars)
+        self.engine = Engine(self.model, engine_config, self.device, self.kv_events, self.grammars)
+        if self.ep is not None and self.ep.leader and self.ep.size > 1:
+            # Rank 0 records its engine calls for the other ranks (which run ep_engine.follow).
+            self._ep_leader = EPLeader(self.ep, self.engine)
+            if failed := handshake(self.ep, True):
+                raise ExpertParallelError(f"expert-parallel ranks {failed} could not build their engine "
+                                          "(see their log)")
 
     def close(self) -> None:
         """Finish the KV tiers' disk writes (a later process over the same
-        ``kv_disk_dir`` restores from them)."""
+        ``kv_disk_dir`` restores from them); the other ranks of a group exit."""
         self.engine.close()
+        if self._ep_leader is not None:
+            self._ep_leader.stop()
+        self._stop_followers()
+
+    def _stop_followers(self, wait: bool = True) -> None:
+        if self._ep_local is not None:
+            self._ep_local.close(timeout=30.0 if wait else 0.0)
+            self._ep_local = None
 
     # ------------------------------------------------------------------ input
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -129,7 +166,7 @@ class LLM:
         finally:
             for rid, reason in zip(ids_of, reasons):
                 if reason is None:
-                    self.engine.abort(rid)
+                    self.abort(rid)
         return [
             RequestOutput(rid, ids, toks, self._decode(toks), reason, error)
             for rid, ids, toks, reason, error in zip(ids_of, encoded, tokens, reasons, errors)
@@ -140,6 +177,10 @@ class LLM:
         self, prompt_ids: list[int], params: SamplingParams, mm_spans: Sequence[MultimodalSpan] = (),
         export_kv: bool = False,
     ) -> int:
+        if self._ep_leader is not None:
+            if export_kv:
+                raise ValueError("an expert-parallel engine does not export KV (disaggregation) yet")
+            return self._ep_leader.add_request(prompt_ids, params, self.config.eos_token_ids, mm_spans)
         return self.engine.add_request(prompt_ids, params, self.config.eos_token_ids, mm_spans, export_kv)
 
     # Disaggregation: see Engine.take_export, reserve_kv, fill_reservation, add_prefilled.
@@ -147,6 +188,8 @@ class LLM:
         return self.engine.take_export(request_id)
 
     def reserve_kv(self, num_prompt_tokens: int, max_tokens: int) -> KVReservation | None:
+        if self._ep_leader is not None:
+            raise ValueError("an expert-parallel engine does not import KV (disaggregation) yet")
         return self.engine.reserve_kv(num_prompt_tokens, max_tokens)
 
     def fill_reservation(self, reservation: KVReservation, blob: torch.Tensor) -> None:
@@ -163,16 +206,22 @@ class LLM:
 
     def step(self) -> list[TokenEvent]:
         with torch.inference_mode():
-            return self.engine.step()
+            return self._ep_leader.step() if self._ep_leader is not None else self.engine.step()
 
     def abort(self, request_id: int) -> bool:
-        return self.engine.abort(request_id)
+        return self._ep_leader.abort(request_id) if self._ep_leader is not None else self.engine.abort(request_id)
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        stats = self.engine.stats()
+        if self.ep is not None:
+            stats["expert_parallel"] = {"size": self.ep.size, "rank": self.ep.rank, **self.ep.stats.as_dict()}
+        return stats
 
     def flush_cache(self) -> None:
-        self.engine.flush_cache()
+        if self._ep_leader is not None:
+            self._ep_leader.flush_cache()
+        else:
+            self.engine.flush_cache()
 
     def reset_engine(self) -> None:
         """A fresh engine (empty pools and cache) on the same model, after an
@@ -181,6 +230,8 @@ class LLM:
         self.engine.close(persist=False)  # disk writes finish; host entries made before the fault are dropped
         del self.engine  # its KV tensors go before the new ones are allocated
         self.engine = Engine(self.model, config, self.device, self.kv_events, self.grammars)
+        if self._ep_leader is not None:
+            self._ep_leader.reset(self.engine)
 
     def _decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)

@@ -19,6 +19,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from llm_core.config import ConfigError, ModelConfig
+from llm_core.expert_parallel import ExpertParallel
+from llm_core.layers import SparseMoE
 from llm_core.model import MiMoV2ForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,6 +28,7 @@ SINGLE_FILE = "model.safetensors"
 _MTP_LAYER = re.compile(r"^model\.mtp\.layers\.(\d+)\.")
 # Parameters kept in float32 whatever the model dtype (the router decides ties).
 _FLOAT32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+_ROUTED_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 class CheckpointError(ValueError):
@@ -102,6 +105,13 @@ class CheckpointReader:
         except SafetensorError as exc:
             raise self._unreadable(name, exc) from exc
 
+    def get_rows(self, name: str, rows: range) -> torch.Tensor:
+        """``name[rows.start:rows.stop]``, reading only those rows from the file."""
+        try:
+            return self._handle(name).get_slice(name)[rows.start : rows.stop]
+        except SafetensorError as exc:
+            raise self._unreadable(name, exc) from exc
+
     def _unreadable(self, name: str, exc: Exception) -> CheckpointError:
         return CheckpointError(
             f"tensor '{name}' is indexed in {self._weight_map[name]} but cannot be read: {exc}"
@@ -124,15 +134,23 @@ _ALIGNMENT = 64  # bytes, what torch's CPU allocator gives
 
 
 def load_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    ep: ExpertParallel | None = None,
 ) -> MiMoV2ForCausalLM:
+    """The checkpoint's model; with ``ep``, holding (and reading) only the
+    routed experts of ``ep``'s rank."""
     with CheckpointReader(model_dir) as reader:
         config = read_config(model_dir, reader)
         # Built on the meta device: each parameter is allocated once, by its load.
         with torch.device("meta"):
             model = MiMoV2ForCausalLM(config)
+            if ep is not None:
+                for module in model.modules():
+                    if isinstance(module, SparseMoE):
+                        module.shard(ep)
+        owned = ep.experts(config.n_routed_experts) if ep is not None else range(config.n_routed_experts)
         for name, param in list(model.named_parameters()):
-            tensor = _fetch(reader, name, tuple(param.shape), config)
+            tensor = _fetch(reader, name, tuple(param.shape), config, owned)
             target_dtype = torch.float32 if name.endswith(_FLOAT32_SUFFIXES) else dtype
             owner_name, _, attr = name.rpartition(".")
             owner = model.get_submodule(owner_name)
@@ -146,9 +164,16 @@ def load_model(
 
 
 def _fetch(
-    reader: CheckpointReader, name: str, shape: tuple[int, ...], config: ModelConfig
+    reader: CheckpointReader, name: str, shape: tuple[int, ...], config: ModelConfig, experts: range
 ) -> torch.Tensor:
-    if name.endswith("mlp.experts.gate_up_proj") and name not in reader:
+    """Parameter ``name`` of ``shape``; routed-expert tensors hold ``experts`` only."""
+    if name.endswith(_ROUTED_SUFFIXES) and name in reader:
+        full = (config.n_routed_experts, *shape[1:])
+        if experts == range(full[0]):
+            return _checked(reader, name, full)
+        _check_shape(reader, name, full)
+        return reader.get_rows(name, experts)
+    if name.endswith("mlp.experts.gate_up_proj"):
         prefix = name.removesuffix("gate_up_proj")
         per_expert = [
             torch.cat(
@@ -157,13 +182,13 @@ def _fetch(
                     _checked(reader, f"{prefix}{e}.up_proj.weight", (shape[1] // 2, shape[2])),
                 )
             )
-            for e in range(shape[0])
+            for e in experts
         ]
         return torch.stack(per_expert)
-    if name.endswith("mlp.experts.down_proj") and name not in reader:
+    if name.endswith("mlp.experts.down_proj"):
         prefix = name.removesuffix("down_proj")
         return torch.stack(
-            [_checked(reader, f"{prefix}{e}.down_proj.weight", shape[1:]) for e in range(shape[0])]
+            [_checked(reader, f"{prefix}{e}.down_proj.weight", shape[1:]) for e in experts]
         )
     if name.endswith("self_attn.sinks") and name not in reader:
         return _checked(reader, name.removesuffix("sinks") + "attention_sink_bias", shape)
@@ -173,6 +198,11 @@ def _fetch(
 
 
 def _checked(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    _check_shape(reader, name, shape)
+    return reader.get(name)
+
+
+def _check_shape(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> None:
     if name not in reader:
         raise CheckpointError(
             f"checkpoint {reader.model_dir} is missing tensor '{name}' that its config.json requires"
@@ -183,7 +213,6 @@ def _checked(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> tor
             f"tensor '{name}' in {reader.model_dir} has shape {list(found)}, "
             f"but config.json implies {list(shape)}"
         )
-    return reader.get(name)
 
 
 def save_model(model: nn.Module, model_dir: str | Path, max_shard_bytes: int = 1 << 30) -> None:
