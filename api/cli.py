@@ -186,12 +186,24 @@ def _bench(args: argparse.Namespace) -> int:
         from api.bench_mtp import mtp_bench
 
         result = mtp_bench(args.model or DEMO_MODEL_DIR, repeats=args.repeats, speculative_tokens=args.speculative_tokens)
+    elif args.name == "pd":
+        from api.bench_pd import PDLoad, pd_bench
+
+        result = pd_bench(args.model or DEMO_MODEL_DIR, PDLoad(decode_streams=args.pd_streams,
+                                                               decode_tokens=args.pd_decode_tokens,
+                                                               prefill_interval_s=args.pd_prefill_interval),
+                          transport=args.kv_transport)
     elif args.name == "structured":
         from api.bench_structured import structured_bench
 
         result = structured_bench(args.model or DEMO_MODEL_DIR, batch=args.structured_batch, repeats=args.repeats,
                                   seed=args.seed, speculative_tokens=args.speculative_tokens,
                                   log=lambda msg: print(msg, file=sys.stderr))
+    elif args.name == "ep":
+        from llm_core.bench.ep import ep_bench
+
+        model = args.model or (DEMO_MODEL_DIR if (DEMO_MODEL_DIR / "config.json").exists() else None)
+        result = ep_bench(model, num_prompts=args.ep_prompts, max_tokens=args.ep_max_tokens)
     elif args.name == "step":
         from llm_core.bench.step import step_bench
 
@@ -275,6 +287,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-disk-gib", type=float, help="disk KV tier budget (default: 8 with --kv-disk-dir)")
     group.add_argument("--kv-disk-dir", help="directory of the disk KV tier; a restart over it restores "
                        "earlier prefixes")
+    group.add_argument("--ep-size", type=int, default=1,
+                       help="expert parallelism: shard the routed experts over this many processes on this host "
+                            "(this one and N-1 it starts; gloo on CPU, NCCL on cuda:0..N-1); eager forwards, "
+                            "no KV tiers")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -285,12 +301,14 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_budget_bytes": int(args.kv_budget_mib * (1 << 20)),
         "max_running_requests": args.max_running_requests,
         "enable_prefix_caching": not args.no_prefix_caching,
-        "compile": args.device.startswith("cuda") if args.compile is None else args.compile,
+        # Expert parallelism runs eager (its all-to-alls have data-dependent sizes).
+        "compile": args.device.startswith("cuda") and args.ep_size == 1 if args.compile is None else args.compile,
         "cuda_graph_max_batch": args.cuda_graph_max_batch,
         "speculative_tokens": args.speculative_tokens,
         "schedule_policy": args.schedule_policy,
         "schedule_bucket_edges": _bucket_edges(args.schedule_buckets),
         **_kv_tier_options(args),
+        "ep_size": args.ep_size,
     }
 
 
@@ -478,6 +496,9 @@ def _add_service_arguments(parser: argparse.ArgumentParser, role: str) -> None:
 
 
 def _add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--torch-threads", type=int,
+                        help="a worker's torch intra-op threads (default: torch's, one per core): give each "
+                             "worker its own cores when several share a machine")
     parser.add_argument("--kv-transport", default="shm", choices=["shm", "torch"],
                         help="how a decode worker receives KV: shared memory (same host) or torch.distributed "
                              "point-to-point (gloo on CPU, NCCL on GPU)")
@@ -567,7 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
     bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load",
-                                        "step", "mtp", "tiers", "schedule", "router", "stack", "structured"])
+                                        "step", "mtp", "tiers", "schedule", "router", "stack", "structured", "ep",
+                                        "pd"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv, step: model shape")
     bench.add_argument("--running", type=int, default=64, help="step: running requests")
@@ -630,10 +652,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tier-plot", help="prefix-cache: also sweep host tier sizes (no disk) and save a PNG here")
     bench.add_argument("--host-sweep", default="0,4e6,8e6,16e6,32e6,64e6,128e6,256e6",
                        help="prefix-cache: host tier sizes (tokens) for --tier-plot")
-    bench.add_argument("--model", help="load, mtp, structured: checkpoint to serve (default: the demo model)")
+    bench.add_argument("--model", help="load, mtp, structured, ep, pd: checkpoint to serve (default: the demo model)")
+    bench.add_argument("--pd-streams", type=int, default=4, help="pd: streaming decodes measured")
+    bench.add_argument("--pd-decode-tokens", type=int, default=300, help="pd: tokens each streaming decode generates")
+    bench.add_argument("--pd-prefill-interval", type=float, default=0.1,
+                       help="pd: seconds between long prompts arriving while the decodes run")
+    bench.add_argument("--kv-transport", default="shm", choices=["shm", "torch"],
+                       help="pd: how the decode worker receives KV")
     bench.add_argument("--speculative-tokens", type=int,
                        help="mtp, structured: drafts per step when on (default: one per MTP layer)")
     bench.add_argument("--structured-batch", type=int, default=16, help="structured: requests decoded together")
+    bench.add_argument("--ep-prompts", type=int, default=6, help="ep: greedy requests run together")
+    bench.add_argument("--ep-max-tokens", type=int, default=24, help="ep: tokens generated per request")
     bench.add_argument("--levels", help="load: concurrency levels, comma-separated (default: 1,16,64,200)")
     bench.add_argument("--load-requests", type=int,
                        help="load: requests at every level (default: max(32, 2 x the highest level))")

@@ -74,6 +74,11 @@ def _worker(args: argparse.Namespace) -> int:
     from api.cli import engine_options
     from api.stack.worker import WorkerConfig, run_worker
 
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+
     config = WorkerConfig(
         _model_dir(args), args.host, args.port, args.health_port, _id(args, "worker"), engine_options(args),
         args.max_pending_requests, args.embedding_cache_name, args.embedding_peers, args.embedding_node,
@@ -101,9 +106,15 @@ def _stack(args: argparse.Namespace) -> int:
                           ("--max-upload-mb", "max_upload_mb"), ("--spool-dir", "spool_dir"),
                           ("--max-pending-requests", "max_pending_requests")),
         engine_args=_engine_args(args), kv_disk_dir=args.kv_disk_dir, log_level=args.log_level,
-        worker_roles=roles, worker_args=["--kv-transport", args.kv_transport, "--transfer-timeout",
-                                         str(args.transfer_timeout)] if roles else [])
+        worker_roles=roles, worker_args=_worker_args(args, disaggregated=bool(roles)))
     return run_stack(plan, int(args.embedding_cache_mib * (1 << 20)), print_plan=args.print_plan)
+
+
+def _worker_args(args: argparse.Namespace, disaggregated: bool) -> list[str]:
+    out = _passed(args, ("--torch-threads", "torch_threads"))
+    if disaggregated:
+        out += ["--kv-transport", args.kv_transport, "--transfer-timeout", str(args.transfer_timeout)]
+    return out
 
 
 def _passed(args: argparse.Namespace, *options: tuple[str, str]) -> list[str]:
@@ -124,6 +135,8 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
                   ("--kv-host-gib", "kv_host_gib"), ("--kv-disk-gib", "kv_disk_gib"))
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
+    if args.ep_size != 1:
+        out += ["--ep-size", str(args.ep_size)]
     if args.compile is not None:
         out.append("--compile" if args.compile else "--no-compile")
     return out
