@@ -67,7 +67,9 @@ def _transformers_tokens(hf_model: Any, prompt_ids: list[int], spans: list, n: i
     return out[0].tolist()  # generated from embeddings alone: only the new tokens
 
 
-def test_greedy_answers_match_the_embedded_server_and_transformers(stack: RunningStack, media_dir: dict) -> None:
+def references_checked_against_transformers(media_dir: dict) -> list[tuple[str, str, list, Any]]:
+    """(kind, question, files, the embedded server's greedy answer) for text,
+    video, image and audio, each answer's tokens checked against transformers'."""
     from transformers import MiMoV2FlashForCausalLM
 
     hf_model = MiMoV2FlashForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
@@ -84,9 +86,14 @@ def test_greedy_answers_match_the_embedded_server_and_transformers(stack: Runnin
             await model.aclose()
 
     references = asyncio.run(embedded())
-    for (kind, question, files), ref in zip(cases, references):
+    for (kind, _, _), ref in zip(cases, references):
         hf_tokens = _transformers_tokens(hf_model, ref.prompt_ids, ref.spans, len(ref.tokens))
         assert hf_tokens == ref.tokens, f"{kind}: the embedded server differs from transformers"
+    return [(kind, question, files, ref) for (kind, question, files), ref in zip(cases, references)]
+
+
+def test_greedy_answers_match_the_embedded_server_and_transformers(stack: RunningStack, media_dir: dict) -> None:
+    for kind, question, files, ref in references_checked_against_transformers(media_dir):
         for _ in range(2):  # round-robin: one answer from each worker
             answer = _chat(stack.url, question, files)
             assert answer["choices"][0]["message"]["content"].strip() == ref.answer, kind
