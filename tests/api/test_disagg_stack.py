@@ -12,7 +12,6 @@ on the decode worker), not a hang.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -26,6 +25,7 @@ import pytest
 
 from api.launch import RunningStack, launch_stack
 from tests.api.test_stack import _wait_until, references_checked_against_transformers
+from tests.api.test_stack import chat_response as _chat
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo"
@@ -42,17 +42,6 @@ def stack() -> Iterator[RunningStack]:
 
 def _worker_stats(stack: RunningStack, name: str) -> dict[str, Any]:
     return httpx.get(stack.roles[name].health_url.replace("/health", "/stats"), timeout=10).json()
-
-
-def _chat(url: str, question: str, files: list[Path], max_tokens: int = 24) -> httpx.Response:
-    parts = [{"type": "file", "file": {"file_id": f"f{i}"}} for i in range(len(files))]
-    body = {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}],
-            "max_tokens": max_tokens, "temperature": 0}
-    uploads = [("request", (None, json.dumps(body), "application/json"))]
-    uploads += [(f"f{i}", (f.name, f.read_bytes())) for i, f in enumerate(files)]
-    response = httpx.post(f"{url}/v1/chat/completions", files=uploads, timeout=120)
-    assert response.status_code == 200, response.text
-    return response
 
 
 def test_disaggregated_answers_match_one_worker_and_transformers(stack: RunningStack, media_dir: dict) -> None:

@@ -46,6 +46,11 @@ def stack() -> Iterator[RunningStack]:
 
 
 def _chat(url: str, question: str, files: list[Path], max_tokens: int = 24) -> dict[str, Any]:
+    return chat_response(url, question, files, max_tokens).json()
+
+
+def chat_response(url: str, question: str, files: list[Path], max_tokens: int = 24) -> httpx.Response:
+    """A greedy multipart chat completion (200 asserted)."""
     parts = [{"type": "file", "file": {"file_id": f"f{i}"}} for i in range(len(files))]
     body = {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}],
             "max_tokens": max_tokens, "temperature": 0}
@@ -53,7 +58,7 @@ def _chat(url: str, question: str, files: list[Path], max_tokens: int = 24) -> d
     uploads += [(f"f{i}", (f.name, f.read_bytes())) for i, f in enumerate(files)]
     response = httpx.post(f"{url}/v1/chat/completions", files=uploads, timeout=120)
     assert response.status_code == 200, response.text
-    return response.json()
+    return response
 
 
 def _transformers_tokens(hf_model: Any, prompt_ids: list[int], spans: list, n: int) -> list[int]:
