@@ -29,13 +29,16 @@ def _plan(args: argparse.Namespace) -> int:
     from llm_core.plan import Hardware, plan
     from llm_core.presets import get_preset
 
-    hardware = Hardware(args.gpus, args.gpu_mem_gib, reserve_gib=args.reserve_gib, weight_bytes=args.weight_bytes)
+    hardware = Hardware(args.gpus, args.gpu_mem_gib, reserve_gib=args.reserve_gib, weights=args.weights)
     result = {"preset": args.preset, **plan(get_preset(args.preset), hardware, args.context, args.concurrency)}
     if args.json:
         print(json.dumps(result))
         return 0
+    weights = result["weight_bytes"]
     print(f"{args.preset} on {args.gpus} x {args.gpu_mem_gib} GiB, {args.context:,}-token requests "
           f"(target {result['target_concurrency']} at once)")
+    print(f"weights held as {args.weights}: {weights['total'] / (1 << 30):,.1f} GiB resident "
+          f"({weights['per_parameter']} bytes per parameter, scales included)")
     print(f"{'EP':>4} {'weights/GPU':>12} {'KV/GPU':>9} {'SWA reqs':>9} {'full-attn reqs':>15} {'a2a B/token':>12}")
     for row in result["ep"]:
         print(f"{row['ep_size']:>4} {row['weights_gib_per_gpu']:>10.1f} G {row['kv_gib_per_gpu']:>7.1f} G "
@@ -49,20 +52,35 @@ def _init_checkpoint(args: argparse.Namespace) -> int:
     from llm_core.presets import get_preset
 
     config = get_preset(args.preset)
+    if args.fused_qkv and not args.fp8:
+        raise ValueError("--fused-qkv goes with --fp8 (MiMo-V2.5 ships its fused qkv_proj in FP8)")
+    fp8 = {"fp8_block": _block(args.fp8_block), "fused_qkv": args.fused_qkv} if args.fp8 else {}
     if args.multimodal:
-        out = write_random_multimodal(args.dir, config, seed=args.seed)
+        out = write_random_multimodal(args.dir, config, seed=args.seed, **fp8)
         kind = "multimodal: vision + audio encoders, chat template; "
     else:
         from llm_core.checkpoint import write_random_checkpoint
 
-        out = write_random_checkpoint(args.dir, config, seed=args.seed)
+        out = write_random_checkpoint(args.dir, config, seed=args.seed, **fp8)
         kind = ""
+    if args.fp8:
+        kind += f"FP8, {args.fp8_block.replace(',', 'x')} blocks{', fused qkv_proj' if args.fused_qkv else ''}; "
     print(f"wrote a random '{args.preset}' checkpoint ({kind}{config.num_parameters():,} LLM parameters) to {out}")
     return 0
 
 
-def write_random_multimodal(out: str | Path, config: ModelConfig, seed: int = 0) -> Path:
-    """The LLM of ``config`` with the demo-size encoders projecting to its hidden size."""
+def _block(text: str) -> tuple[int, int]:
+    try:
+        rows, cols = (int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--fp8-block takes rows,cols, got {text!r}") from None
+    return rows, cols
+
+
+def write_random_multimodal(out: str | Path, config: ModelConfig, seed: int = 0,
+                            fp8_block: tuple[int, int] | None = None, fused_qkv: bool = False) -> Path:
+    """The LLM of ``config`` with the demo-size encoders projecting to its hidden size
+    (``fp8_block``: the LLM's weights FP8 as published; the encoders stay float)."""
     import dataclasses
 
     from encoders.multimodal_checkpoint import write_random_multimodal_checkpoint
@@ -75,6 +93,8 @@ def write_random_multimodal(out: str | Path, config: ModelConfig, seed: int = 0)
         dataclasses.replace(DEMO_AUDIO, out_hidden_size=config.hidden_size),
         seed=seed,
         preprocessor=DEMO_PREPROCESSOR_CONFIG,
+        fp8_block=fp8_block,
+        fused_qkv=fused_qkv,
     )
 
 
@@ -265,6 +285,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="cpu")
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     group.add_argument("--kv-budget-mib", type=float, default=256.0, help="memory for both KV pools")
+    group.add_argument("--quantization", default="auto", choices=["auto", "fp8", "none"],
+                       help="FP8 weights: kept FP8 where FP8 GEMMs run (auto: CUDA compute capability 8.9+, "
+                            "else dequantized to --dtype at load), always (fp8; a float checkpoint is quantized in "
+                            "128x128 blocks), or never (none)")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"],
+                       help="what both KV pools store: --dtype (auto), bfloat16, or FP8 e4m3 with per-layer scales "
+                            "(the checkpoint's, else 1.0): twice the tokens of bf16 in the same memory")
     group.add_argument("--max-running-requests", type=int, default=64)
     group.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     group.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -299,6 +326,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "dtype": args.dtype,
         "kv_budget_bytes": int(args.kv_budget_mib * (1 << 20)),
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_running_requests": args.max_running_requests,
         "enable_prefix_caching": not args.no_prefix_caching,
         # Expert parallelism runs eager (its all-to-alls have data-dependent sizes).
@@ -545,7 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "full-attention KV reaches at the largest EP size)")
     planner.add_argument("--reserve-gib", type=float, default=10.0,
                          help="per GPU, for activations, graphs and communication buffers")
-    planner.add_argument("--weight-bytes", type=float, default=1.0, help="bytes per parameter (1: FP8, 2: BF16)")
+    planner.add_argument("--weights", default="fp8", choices=["fp8", "bf16"],
+                         help="how the weights are held: FP8 as published (matrices FP8 with their block scales, "
+                              "o_proj and small tensors BF16), or BF16")
     planner.add_argument("--json", action="store_true", help="one JSON object")
     planner.set_defaults(func=_plan)
 
@@ -554,6 +585,12 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--preset", default="tiny")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--multimodal", action="store_true", help="add random vision/audio encoders and a chat template")
+    init.add_argument("--fp8", action="store_true",
+                      help="FP8 weights in the published MiMo-V2 layout: float8_e4m3fn matrices with float32 "
+                           "weight_scale_inv per block, experts one per expert, o_proj BF16 in ignored_layers")
+    init.add_argument("--fp8-block", default="128,128", help="with --fp8: the scale block, rows,cols")
+    init.add_argument("--fused-qkv", action="store_true",
+                      help="with --fp8: MiMo-V2.5's fused self_attn.qkv_proj, one chunk per KV head")
     init.set_defaults(func=_init_checkpoint)
 
     train = sub.add_parser("train-demo", help="train the demo model on the synthetic world")

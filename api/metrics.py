@@ -90,6 +90,8 @@ class ServerMetrics:
         )
         # A gauge, not a counter: it mirrors the engine's own running total.
         self.preemptions = Gauge("swallow_preemptions", "Requests preempted by the scheduler since start", registry=r)
+        self.weights_bytes = Gauge("swallow_weights_resident_bytes", "Bytes the model's weights take on the device",
+                                   registry=r)
         # Gauges mirroring the engine's running totals, one series per draft position.
         self.drafts_proposed = Gauge("swallow_spec_drafts_proposed", "MTP draft tokens verified, by draft position",
                                      ["position"], registry=r)
@@ -231,6 +233,8 @@ class ServerMetrics:
             self._set_schedule(schedule)
         self.set_queue_depth(stats.get("waiting_requests", 0), stats.get("running_requests", 0))
         self.preemptions.set(stats.get("preemptions", 0))
+        if weights := stats.get("weights"):
+            self.weights_bytes.set(weights.get("resident_bytes", 0))
         if routing := stats.get("routing"):
             self._set_routing(routing)
         spec = stats.get("speculative")

@@ -43,23 +43,25 @@ def find_prefix(reader: CheckpointReader, candidates: Sequence[str], probe: str)
 
 
 def load_submodule(module: nn.Module, reader: CheckpointReader, prefix: str) -> None:
-    """Copy ``prefix + name`` into every parameter and persistent buffer of ``module``.
+    """Copy ``prefix + name`` into every parameter and persistent buffer of ``module``
+    (FP8 matrices dequantized by their scales, as the LLM's are).
 
-    A missing tensor or a shape that disagrees with the config is a ``CheckpointError``
-    naming the tensor; extra tensors under the prefix are ignored.
+    A missing tensor, a shape that disagrees with the config, or a tensor under
+    the (non-empty) prefix that the module does not use is a ``CheckpointError``
+    naming the tensor.
     """
     with torch.no_grad():
         for name, target in module.state_dict().items():
             full = prefix + name
             if full not in reader:
                 raise CheckpointError(f"checkpoint {reader.model_dir} is missing tensor '{full}'")
-            found = reader.shape(full)
-            if found != tuple(target.shape):
-                raise CheckpointError(
-                    f"tensor '{full}' in {reader.model_dir} has shape {list(found)}, "
-                    f"but the encoder config implies {list(target.shape)}"
-                )
-            target.copy_(reader.get(full).to(target.dtype))
+            reader.check_shape(full, tuple(target.shape), "the encoder config implies")
+            target.copy_(reader.read_dense(full, tuple(target.shape)).to(target.dtype))
+    if prefix:
+        unused = [n for n in reader.names() if n.startswith(prefix) and n not in reader.used]
+        if unused:
+            raise CheckpointError(f"checkpoint {reader.model_dir} holds {len(unused)} tensor(s) under '{prefix}' "
+                                  f"that the encoder does not use, first '{unused[0]}'")
 
 
 def encoder_identity(kind: str, config: Any, module: nn.Module) -> str:

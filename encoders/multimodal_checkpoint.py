@@ -85,10 +85,14 @@ def write_random_multimodal_checkpoint(
     *,
     seed: int = 0,
     preprocessor: dict[str, Any] | None = None,
+    fp8_block: tuple[int, int] | None = None,
+    fused_qkv: bool = False,
 ) -> Path:
-    """An LLM with random weights and random encoders, wired as a chat model."""
+    """An LLM with random weights and random encoders, wired as a chat model
+    (``fp8_block``, ``fused_qkv``: the LLM's as ``write_random_checkpoint`` writes them)."""
     special = [*SPECIAL_TOKENS, *MULTIMODAL_SPECIAL_TOKENS]
-    out = write_random_checkpoint(out_dir, llm, seed, special_tokens=special)
+    out = write_random_checkpoint(out_dir, llm, seed, special_tokens=special, fp8_block=fp8_block,
+                                  fused_qkv=fused_qkv)
     generator = torch.Generator().manual_seed(seed + 1)
     vision_encoder = audio_encoder = None
     if vision is not None:

@@ -53,11 +53,12 @@ def _paged_decode_attention_cpu(
     q_pos: torch.Tensor,
     sliding_window: int,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     kernel = load()
     assert kernel is not None, "resolve the decode attention with available() first"
     return kernel.paged_decode_attention(q, k_cache, v_cache, pages, page_size, kv_len, q_pos, sliding_window,
-                                         sinks)
+                                         sinks, kv_scales)
 
 
 _paged_decode_attention_cpu.register_fake(attention_output)
@@ -77,13 +78,14 @@ def paged_decode_attention_cpu(
     q_pos: torch.Tensor,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Drop-in for ``paged_decode_attention_torch`` on CPU tensors."""
+    """Drop-in for ``paged_decode_attention_torch`` on CPU tensors (FP8 pools included)."""
     if not torch.compiler.is_compiling():  # eager: skip the custom-op dispatch, tens of us a call
         return load().paged_decode_attention(q, k_cache, v_cache, pages, page_size, kv_len, q_pos,  # type: ignore[union-attr]
-                                             sliding_window or 0, sinks)
+                                             sliding_window or 0, sinks, kv_scales)
     return torch.ops.swallow.paged_decode_attention_cpu(q, k_cache, v_cache, pages, page_size, kv_len, q_pos,
-                                                        sliding_window or 0, sinks)
+                                                        sliding_window or 0, sinks, kv_scales)
 
 
 if __name__ == "__main__":  # `python -m llm_core.cpu_attention`: build ahead of the first engine

@@ -15,6 +15,7 @@ from llm_core.block_table import BlockTable
 from llm_core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llm_core.device import to_device
 from llm_core.expert_parallel import ExpertParallelError
+from llm_core.fp8 import FP8_DTYPE
 from llm_core.disagg import KVReservation, PrefilledKV, SequenceKVPacker
 from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SequenceView, SWAKVPool, SWAMode
 from llm_core.model import MiMoV2ForCausalLM
@@ -53,6 +54,8 @@ from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, Sched
 from llm_core.speculative import DraftTarget, MTPDrafter, SpeculativeStats, mtp_layer_forward
 
 AttentionImpl = Literal["auto", "torch", "triton"]
+KVCacheDtype = Literal["auto", "bf16", "fp8_e4m3"]
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")
 DecodeForwardFn = Callable[[MiMoV2ForCausalLM, torch.Tensor, torch.Tensor, DecodeAttentionBackend], torch.Tensor]
 
 log = logging.getLogger(__name__)
@@ -98,10 +101,15 @@ class EngineConfig:
     # Prompt-length bucket edges sharing each step's prefill budget; None:
     # 64K and 256K of a 1M context, scaled to the model's context length.
     schedule_bucket_edges: tuple[int, ...] | None = None
+    # What both KV pools store: the model's dtype ("auto"), bfloat16, or
+    # float8_e4m3fn with per-layer scales (the checkpoint's, else 1.0).
+    kv_cache_dtype: KVCacheDtype = "auto"
 
     def __post_init__(self) -> None:
         if self.swa_mode not in ("hybrid", "full"):
             raise ValueError(f"swa_mode must be 'hybrid' or 'full', got {self.swa_mode!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention not in ("auto", "torch", "triton"):
             raise ValueError(f"attention must be 'auto', 'torch' or 'triton', got {self.attention!r}")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 0:
@@ -236,6 +244,20 @@ def resolve_speculative_tokens(requested: int | None, num_mtp_layers: int) -> in
     return requested
 
 
+def resolve_kv_dtype(kv_cache_dtype: KVCacheDtype, model_dtype: torch.dtype) -> torch.dtype:
+    return {"auto": model_dtype, "bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}[kv_cache_dtype]
+
+
+def kv_cache_scales(model: MiMoV2ForCausalLM) -> dict[int, tuple[float, float]]:
+    """(k_scale, v_scale) of every layer with KV, main and MTP, by KV layer index."""
+    mc = model.config
+    attentions = [layer.self_attn for layer in model.model.layers]
+    if mc.num_mtp_layers:
+        attentions += [layer.self_attn for layer in model.model.mtp.layers]
+    # A model on the meta device (capacity math) has no values: the pools take 1.0.
+    return {a.layer_idx: (float(a.k_scale), float(a.v_scale)) for a in attentions if not a.k_scale.is_meta}
+
+
 def uses_triton(impl: AttentionImpl, device: torch.device) -> bool:
     return impl == "triton" or (impl == "auto" and device.type == "cuda")
 
@@ -314,7 +336,8 @@ class Engine:
         self.num_speculative = resolve_speculative_tokens(config.speculative_tokens, mc.num_mtp_layers)
         k = self.num_speculative
         # Without speculation the MTP layers are never run: no KV for them.
-        kv_layout = {"mtp_layers": mc.num_mtp_layers if k else 0, "draft_depths": min(k, mc.num_mtp_layers)}
+        kv_layout = {"mtp_layers": mc.num_mtp_layers if k else 0, "draft_depths": min(k, mc.num_mtp_layers),
+                     "kv_dtype": resolve_kv_dtype(config.kv_cache_dtype, dtype), "kv_scales": kv_cache_scales(model)}
         probe = KVCacheTensors(mc, 0, 0, dtype, "meta", **kv_layout)
         self.window = mc.sliding_attention.sliding_window or 1
         sizing = PoolSizing.from_budget(
@@ -385,10 +408,17 @@ class Engine:
 
     def _fingerprint(self, dtype: torch.dtype) -> bytes:
         """The root of the page address chain: pages are comparable only for
-        the same weights, KV layout and dtype."""
+        the same weights, KV layout, dtypes and FP8 scales."""
         return model_fingerprint(json.dumps(asdict(self.model.config), sort_keys=True, default=str),
                                  model_weights_digest(self.model), str(dtype), str(self.config.page_size),
-                                 f"mtp={self.kv.draft_depths}", str(sorted(self.kv.shapes.items())))
+                                 f"mtp={self.kv.draft_depths}", str(sorted(self.kv.shapes.items())),
+                                 self.kv_layout())
+
+    def kv_layout(self) -> str:
+        """What KV written by this engine needs another engine to share to read
+        it (PD transfers check it): the KV dtype, and an FP8 pool's scales."""
+        scales = sorted(self.kv.scale_values().items())
+        return f"kv={self.kv.kv_dtype}" + (f";scales={scales}" if scales else "")
 
     def _build_cache(self) -> RadixCache:
         """The radix cache, with host and disk tiers under it when configured."""
@@ -1131,6 +1161,7 @@ class Engine:
             },
             "kv_tiers": self._tier_stats(),
             "swa_mode": self.config.swa_mode,
+            "kv_cache_dtype": str(self.kv.kv_dtype).removeprefix("torch."),
             "full_pool": {
                 "capacity_tokens": full.capacity,
                 "free_tokens": full.free_slots,

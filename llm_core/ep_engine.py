@@ -301,14 +301,15 @@ _FOLLOWER = "import sys; from llm_core.ep_engine import follower_main; sys.exit(
 
 
 def launch_local_group(size: int, model: str | Path, device: str, dtype: str, engine_options: dict[str, Any],
-                       backend: str | None = None) -> LocalGroup:
+                       backend: str | None = None, quantization: str = "auto") -> LocalGroup:
     """Start ranks 1..size-1 as processes on this host and join them as rank 0.
     Followers use ``cuda:RANK`` on CUDA, and this process's torch thread count
     (ranks must compute the replicated parts bit for bit alike)."""
     if size < 2:
         raise ValueError(f"an expert-parallel group needs at least 2 ranks, got {size}")
     store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
-    spec = json.dumps({"model": str(model), "device": device, "dtype": dtype, "engine_options": engine_options,
+    spec = json.dumps({"model": str(model), "device": device, "dtype": dtype, "quantization": quantization,
+                       "engine_options": engine_options,
                        "threads": torch.get_num_threads(), "backend": backend,
                        "init_method": f"tcp://127.0.0.1:{store.port}", "size": size})
     root = str(Path(__file__).resolve().parents[1])
@@ -340,7 +341,8 @@ def follower_main(argv: Sequence[str]) -> int:
     ep = init_expert_parallel(spec["size"], rank, spec["init_method"], spec["backend"], device)
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["engine_options"].items()}
     try:
-        llm = LLM(spec["model"], device=device, dtype=spec["dtype"], ep=ep, **options)
+        llm = LLM(spec["model"], device=device, dtype=spec["dtype"], ep=ep, quantization=spec["quantization"],
+                  **options)
     except Exception:  # noqa: BLE001 - reported to the leader, which refuses to start
         log.exception("building the engine failed")
         handshake(ep, False)

@@ -33,7 +33,7 @@ import xxhash._xxhash
 
 from llm_core.kv_store import DiskKVStore, HostKVPool, copy_into
 from llm_core.kv_tiers import FULL, SWA, Tier
-from llm_core.paged_attention import KVCacheTensors
+from llm_core.paged_attention import KVCacheTensors, as_bytes
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class _LayerwiseRestores:
         self.kernel = kernel
         full = [(i, k, v) for i, (is_swa, k, v) in ((i, kv.layer(i)) for i in kv.layer_ids) if not is_swa]
         self.ordinal = {i: n for n, (i, _, _) in enumerate(full)}
-        self.layers = [[k, v] for _, k, v in full]
+        self.layers = [[as_bytes(k), as_bytes(v)] for _, k, v in full]  # an FP8 pool as its bytes
         ps = kv.page_size
         self.segments = [ps * t[0].numel() * t.element_size() for pair in self.layers for t in pair]
         self.entry_bytes = sum(self.segments)

@@ -19,7 +19,7 @@ from llm_core.kv_events import KVEventLog
 from llm_core.multimodal import MultimodalSpan, check_spans
 from llm_core.sampling import SamplingParams
 from llm_core.tokenizer import TOKENIZER_FILE, Tokenizer
-from llm_core.weights import load_model
+from llm_core.weights import QUANTIZATION_MODES, QuantizationMode, describe_weights, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Prompt = str | Sequence[int]
@@ -46,6 +46,7 @@ class LLM:
         kv_events: KVEventLog | None = None,
         ep_size: int = 1,
         ep: ExpertParallel | None = None,
+        quantization: QuantizationMode = "auto",
         **engine_options: Any,
     ) -> None:
         """``engine_options`` are ``EngineConfig`` fields: ``kv_budget_bytes``,
@@ -64,9 +65,17 @@ class LLM:
 
         ``ep_size`` > 1: expert parallelism over that many processes on this
         host, this one rank 0 (``llm_core.ep_engine``), eager and without KV
-        tiers; ``ep``: this process's rank of a group built elsewhere."""
+        tiers; ``ep``: this process's rank of a group built elsewhere.
+
+        ``quantization``: FP8 checkpoints keep their weights FP8 in memory where
+        FP8 GEMMs run (``"auto"``: CUDA of compute capability 8.9+), always
+        (``"fp8"``; a float checkpoint is quantized at load) or never (``"none"``:
+        dequantized to ``dtype`` at load, as ``"auto"`` does elsewhere)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
+        self.quantization = quantization
         self.model_dir = Path(model)
         self.device = torch.device(device)
         engine_config = EngineConfig(**engine_options)
@@ -76,7 +85,8 @@ class LLM:
         self._ep_local: LocalGroup | None = None
         self._ep_leader: EPLeader | None = None
         if ep is None and ep_size > 1:
-            self._ep_local = launch_local_group(ep_size, self.model_dir, device, dtype, engine_options)
+            self._ep_local = launch_local_group(ep_size, self.model_dir, device, dtype, engine_options,
+                                                quantization=quantization)
             ep = self._ep_local.ep
         self.ep = ep
         try:
@@ -86,8 +96,9 @@ class LLM:
             raise
 
     def _build(self, dtype: torch.dtype, engine_config: EngineConfig) -> None:
-        self.model = load_model(self.model_dir, self.device, dtype, ep=self.ep)
+        self.model = load_model(self.model_dir, self.device, dtype, ep=self.ep, quantization=self.quantization)
         self.config: ModelConfig = self.model.config
+        self.weights = describe_weights(self.model, self.model_dir, self.quantization)
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         tokenizer_file = self.model_dir / TOKENIZER_FILE
         # Structured outputs need the tokenizer's vocabulary; a checkpoint without one refuses grammars.
@@ -212,7 +223,7 @@ class LLM:
         return self._ep_leader.abort(request_id) if self._ep_leader is not None else self.engine.abort(request_id)
 
     def stats(self) -> dict[str, Any]:
-        stats = self.engine.stats()
+        stats = self.engine.stats() | {"weights": self.weights}
         if self.ep is not None:
             stats["expert_parallel"] = {"size": self.ep.size, "rank": self.ep.rank, **self.ep.stats.as_dict()}
         return stats

@@ -36,6 +36,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, spec.num_kv_heads * spec.v_head_dim, bias=bias)
         self.o_proj = nn.Linear(spec.num_heads * spec.v_head_dim, h, bias=False)
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads)) if spec.has_sinks else None
+        # KV-cache scales of an FP8 cache (stored = K / k_scale): the checkpoint's, else 1.0.
+        self.register_buffer("k_scale", torch.ones(()), persistent=False)
+        self.register_buffer("v_scale", torch.ones(()), persistent=False)
 
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend

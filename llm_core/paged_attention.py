@@ -21,6 +21,7 @@ import torch
 from llm_core.attention import attention_fused, sdpa_with_sinks, softmax_with_sinks
 from llm_core.config import AttentionSpec, ModelConfig
 from llm_core.device import to_device
+from llm_core.fp8 import FP8_DTYPE, FP8_MAX
 
 
 @dataclass(frozen=True)
@@ -169,29 +170,33 @@ def paged_attention_torch(
     batch: PagedBatch,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: gather each request's keys from the pool and attend.
 
     q [T, Hq, D]; k_cache [S, Hkv, D]; v_cache [S, Hkv, Dv] -> [T, Hq, Dv].
+    ``kv_scales`` [2] (k, v): an FP8 pool's scales; gathered keys and values
+    are dequantized to q's dtype, never the pool.
     With a window narrower than what the requests' keys span, every query of
     the batch attends to exactly its window's keys in one batched product
     (T x W scores, not chunk x keys per request). Otherwise decode rows go
     through one padded batched product and extend chunks one request at a time.
     """
     if sliding_window is not None and _windowed_is_cheaper(batch, sliding_window):
-        return _windowed_attention_torch(q, k_cache, v_cache, batch, sliding_window, sinks)
+        return _windowed_attention_torch(q, k_cache, v_cache, batch, sliding_window, sinks, kv_scales)
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     decode = batch.decode
     if decode.rows.numel():
         out[decode.rows] = _decode_attention_torch(q[decode.rows], k_cache, v_cache, batch, decode, sliding_window,
-                                                   sinks)
+                                                   sinks, kv_scales)
     for b, ((q0, nq), (_, nk, first)) in enumerate(zip(batch.q_bounds, batch.kv_bounds)):
         if nq == 1:
             continue
         slots = batch.key_slots(b)
         k_pos = torch.arange(first, first + nk, device=q.device)
+        keys, values = gather_kv(k_cache, v_cache, slots, kv_scales, q.dtype)
         out[q0 : q0 + nq] = attention_fused(
-            q[q0 : q0 + nq], k_cache[slots], v_cache[slots], batch.q_pos[q0 : q0 + nq], k_pos, sliding_window, sinks,
+            q[q0 : q0 + nq], keys, values, batch.q_pos[q0 : q0 + nq], k_pos, sliding_window, sinks,
             causal_from_zero=first == 0 and nk == nq,
         )
     return out
@@ -215,6 +220,7 @@ def _windowed_attention_torch(
     batch: PagedBatch,
     window: int,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every request's queries in blocks of ``_WINDOW_BLOCK``; a block attends to
     the keys its queries' windows span (positions first - W + 1 .. last), all
@@ -241,7 +247,8 @@ def _windowed_attention_torch(
     # Padding query rows see nothing but would make a row of -inf (NaN): let them see key 0.
     visible[:, :, 0] |= ~row_ok
     qb = q[rows].transpose(1, 2)  # [nb, Hq, block, D]
-    out_blocks = sdpa_with_sinks(qb, k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2), visible, sinks)
+    keys, values = gather_kv(k_cache, v_cache, slots, kv_scales, q.dtype)
+    out_blocks = sdpa_with_sinks(qb, keys.transpose(1, 2), values.transpose(1, 2), visible, sinks)
     out_blocks = out_blocks.transpose(1, 2)  # [nb, block, Hq, Dv]
     out = q.new_empty(t, hq, out_blocks.shape[-1])
     out[rows[row_ok]] = out_blocks[row_ok]
@@ -256,9 +263,35 @@ def _decode_attention_torch(
     decode: DecodeTables,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return attend_gathered(q, k_cache[decode.slots], v_cache[decode.slots], decode.key_pos, decode.key_pos >= 0,
-                           batch.q_pos[decode.rows], sliding_window, sinks)
+    keys, values = gather_kv(k_cache, v_cache, decode.slots, kv_scales, q.dtype)
+    return attend_gathered(q, keys, values, decode.key_pos, decode.key_pos >= 0, batch.q_pos[decode.rows],
+                           sliding_window, sinks)
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, kv_scales: torch.Tensor | None,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k_cache[index]``, ``v_cache[index]``, dequantized to ``dtype`` from an FP8 pool."""
+    if kv_scales is None:
+        return k_cache[index], v_cache[index]
+    keys, values = as_bytes(k_cache)[index].view(k_cache.dtype), as_bytes(v_cache)[index].view(v_cache.dtype)
+    return dequantize_kv(keys, kv_scales[0], dtype), dequantize_kv(values, kv_scales[1], dtype)
+
+
+def as_bytes(pool: torch.Tensor) -> torch.Tensor:
+    """An FP8 pool seen as uint8 of the same shape: CPU torch does not index float8
+    tensors, and bytes are what leave a pool anyway."""
+    return pool.view(torch.uint8) if pool.dtype == FP8_DTYPE else pool
+
+
+def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (stored.to(torch.float32) * scale).to(dtype)
+
+
+def quantize_kv(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows as an FP8 pool stores them: value / scale, saturated at the e4m3 maximum."""
+    return (values.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def attend_gathered(
@@ -312,10 +345,10 @@ class DecodeBatch:
     page_size: int
 
 
-# (q, k_cache, v_cache, pages [B, P], page_size, kv_len [B], q_pos [B], window, sinks) -> [B, Hq, Dv]
+# (q, k_cache, v_cache, pages [B, P], page_size, kv_len [B], q_pos [B], window, sinks, kv_scales) -> [B, Hq, Dv]
 DecodeAttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, "int | None",
-     "torch.Tensor | None"],
+     "torch.Tensor | None", "torch.Tensor | None"],
     torch.Tensor,
 ]
 
@@ -336,6 +369,7 @@ def paged_decode_attention_torch(
     q_pos: torch.Tensor,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Request b's keys are its last kv_len[b] positions, key i at slot
     pages[b, i // page_size] * page_size + i % page_size. Whole pages are
@@ -344,8 +378,9 @@ def paged_decode_attention_torch(
     hkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
     n = p * page_size
     index = pages.long()
-    keys = k_cache.view(-1, page_size, hkv, d)[index].view(b, n, hkv, d)
-    values = v_cache.view(-1, page_size, hkv, dv)[index].view(b, n, hkv, dv)
+    keys, values = gather_kv(k_cache.view(-1, page_size, hkv, d), v_cache.view(-1, page_size, hkv, dv), index,
+                             kv_scales, q.dtype)
+    keys, values = keys.view(b, n, hkv, d), values.view(b, n, hkv, dv)
     key = torch.arange(n, device=q.device)
     valid = key[None, :] < kv_len[:, None]
     key_pos = (q_pos + 1 - kv_len)[:, None] + key[None, :]
@@ -370,6 +405,10 @@ class KVCacheTensors:
     prefix-cache hit too). The MTP layers' K/V and these states also have
     ``draft_slots`` rows past the scratch slot, where drafts that are not yet
     tokens write theirs.
+
+    ``kv_dtype`` (default ``dtype``) is what K and V are stored as; with
+    float8_e4m3fn each layer has a (k, v) scale pair (``kv_scales``, default
+    1.0): stored = value / scale. The MTP hidden states stay in ``dtype``.
     """
 
     def __init__(
@@ -383,8 +422,12 @@ class KVCacheTensors:
         mtp_layers: int | None = None,
         draft_depths: int = 0,
         draft_slots: int = 0,
+        kv_dtype: torch.dtype | None = None,
+        kv_scales: dict[int, tuple[float, float]] | None = None,
     ) -> None:
         full, swa = config.full_attention, config.sliding_attention
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        self.kv_dtype = kv_dtype
         mtp_layers = config.num_mtp_layers if mtp_layers is None else mtp_layers
         mtp_ids = [config.num_hidden_layers + j for j in range(mtp_layers)]
         swa_layers = list(config.sliding_layer_ids) + mtp_ids
@@ -395,13 +438,20 @@ class KVCacheTensors:
         full_rows = (self.full_scratch_page + 1) * page_size
         self._layers: dict[int, tuple[bool, torch.Tensor, torch.Tensor]] = {}
         for i in config.full_layer_ids:
-            self._layers[i] = (False, torch.zeros(full_rows, full.num_kv_heads, full.head_dim, dtype=dtype,
+            self._layers[i] = (False, torch.zeros(full_rows, full.num_kv_heads, full.head_dim, dtype=kv_dtype,
                                                   device=device),
-                               torch.zeros(full_rows, full.num_kv_heads, full.v_head_dim, dtype=dtype, device=device))
+                               torch.zeros(full_rows, full.num_kv_heads, full.v_head_dim, dtype=kv_dtype,
+                                           device=device))
         for i in swa_layers:
             rows = swa_slots + 1 + (draft_slots if i in mtp_ids else 0)
-            self._layers[i] = (True, torch.zeros(rows, swa.num_kv_heads, swa.head_dim, dtype=dtype, device=device),
-                               torch.zeros(rows, swa.num_kv_heads, swa.v_head_dim, dtype=dtype, device=device))
+            self._layers[i] = (True, torch.zeros(rows, swa.num_kv_heads, swa.head_dim, dtype=kv_dtype, device=device),
+                               torch.zeros(rows, swa.num_kv_heads, swa.v_head_dim, dtype=kv_dtype, device=device))
+        # FP8 pools: one [k, v] scale pair per layer, on the pools' device (read there, never on the host).
+        self._scales: dict[int, torch.Tensor] = {}
+        if kv_dtype == FP8_DTYPE:
+            given = kv_scales or {}
+            self._scales = {i: torch.tensor(given.get(i, (1.0, 1.0)), dtype=torch.float32, device=device)
+                            for i in self._layers}
         self._hidden = [torch.zeros(swa_slots + 1 + draft_slots, config.hidden_size, dtype=dtype, device=device)
                         for _ in range(draft_depths)]
         self.shapes = {
@@ -409,14 +459,23 @@ class KVCacheTensors:
             "swa_k": [len(swa_layers), swa_slots + 1, swa.num_kv_heads, swa.head_dim],
         }
         self.device = torch.device(device)
-        element = torch.empty((), dtype=dtype).element_size()
+        element = torch.empty((), dtype=kv_dtype).element_size()
+        hidden_element = torch.empty((), dtype=dtype).element_size()
         self.full_bytes_per_token = len(config.full_layer_ids) * full.kv_elements_per_token * element
-        self.swa_bytes_per_token = (len(swa_layers) * swa.kv_elements_per_token
-                                    + draft_depths * config.hidden_size) * element
+        self.swa_bytes_per_token = (len(swa_layers) * swa.kv_elements_per_token * element
+                                    + draft_depths * config.hidden_size * hidden_element)
 
     def layer(self, layer_idx: int) -> tuple[bool, torch.Tensor, torch.Tensor]:
         """(is_swa_pool, K, V) of one layer."""
         return self._layers[layer_idx]
+
+    def scales(self, layer_idx: int) -> torch.Tensor | None:
+        """[k_scale, v_scale] of an FP8 pool's layer; None for a pool stored in the run dtype."""
+        return self._scales.get(layer_idx)
+
+    def scale_values(self) -> dict[int, tuple[float, float]]:
+        """The FP8 pools' scales by layer (empty otherwise): part of what makes KV comparable."""
+        return {i: (float(t[0]), float(t[1])) for i, t in self._scales.items() if not t.is_meta}
 
     @property
     def layer_ids(self) -> list[int]:
@@ -435,10 +494,11 @@ class KVCacheTensors:
         """Every tensor indexed by a full slot (each full layer's K then V), and
         every one indexed by an SWA slot (each SWA and MTP layer's K then V,
         then the MTP hidden states), in layer order: the order a page or a
-        window is packed in wherever KV leaves the device pools."""
+        window is packed in wherever KV leaves the device pools. FP8 pools
+        appear as their bytes (uint8 of the same shape)."""
         layers = [self.layer(i) for i in self.layer_ids]
-        full = [t for is_swa, k, v in layers if not is_swa for t in (k, v)]
-        swa = [t for is_swa, k, v in layers if is_swa for t in (k, v)]
+        full = [as_bytes(t) for is_swa, k, v in layers if not is_swa for t in (k, v)]
+        swa = [as_bytes(t) for is_swa, k, v in layers if is_swa for t in (k, v)]
         return full, swa + list(self._hidden)
 
     def store_target_hidden(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -449,14 +509,22 @@ class KVCacheTensors:
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
-    """Write a step's K/V rows into a layer's pool tensors (in place, also when compiled)."""
+             v: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+    """Write a step's K/V rows into a layer's pool tensors (in place, also when
+    compiled); into an FP8 pool divided by its scales."""
+    if kv_scales is not None:
+        k, v = quantize_kv(k, kv_scales[0], k_cache.dtype), quantize_kv(v, kv_scales[1], v_cache.dtype)
+        as_bytes(k_cache).index_put_((slots,), k.view(torch.uint8))
+        as_bytes(v_cache).index_put_((slots,), v.view(torch.uint8))
+        return
     k_cache.index_put_((slots,), k.to(k_cache.dtype))
     v_cache.index_put_((slots,), v.to(v_cache.dtype))
 
 
+# (q, k_cache, v_cache, batch, window, sinks, kv_scales) -> [T, Hq, Dv]
 AttentionFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, PagedBatch, "int | None", "torch.Tensor | None"], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, PagedBatch, "int | None", "torch.Tensor | None",
+     "torch.Tensor | None"], torch.Tensor
 ]
 
 
@@ -486,14 +554,15 @@ class PagedAttentionBackend:
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         is_swa, k_cache, v_cache = self.tensors.layer(layer_idx)
+        scales = self.tensors.scales(layer_idx)
         batch = self.swa_batch if is_swa else self.full_batch
-        store_kv(k_cache, v_cache, batch.write_slots, k, v)
+        store_kv(k_cache, v_cache, batch.write_slots, k, v, scales)
         if self.before_layer is not None:
             self.before_layer(layer_idx)
         if torch.compiler.is_compiling():
             triton = self.attention_fn is not paged_attention_torch
-            return traced_paged_attention(q, k_cache, v_cache, batch, spec.sliding_window, sinks, triton)
-        return self.attention_fn(q, k_cache, v_cache, batch, spec.sliding_window, sinks)
+            return traced_paged_attention(q, k_cache, v_cache, batch, spec.sliding_window, sinks, triton, scales)
+        return self.attention_fn(q, k_cache, v_cache, batch, spec.sliding_window, sinks, scales)
 
     def store_hidden(self, hidden: torch.Tensor) -> None:
         """The target's final hidden states of the step's rows, for the MTP layers."""
@@ -517,6 +586,7 @@ def _paged_attention_op(
     sliding_window: int,
     sinks: torch.Tensor | None,
     triton: bool,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     rows = bounds.tolist()
     batch = PagedBatch(q_pos, q_start, q_len, kv_table, kv_start, kv_len, kv_first_pos, q_pos, page_size,
@@ -525,7 +595,7 @@ def _paged_attention_op(
         from llm_core.triton_attention import paged_attention_triton as attention
     else:
         attention = paged_attention_torch
-    return attention(q, k_cache, v_cache, batch, sliding_window or None, sinks)
+    return attention(q, k_cache, v_cache, batch, sliding_window or None, sinks, kv_scales)
 
 
 _paged_attention_op.register_fake(attention_output)
@@ -539,12 +609,13 @@ def traced_paged_attention(
     sliding_window: int | None,
     sinks: torch.Tensor | None,
     triton: bool,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A mixed batch's attention as one opaque op of a compiled forward: its
     per-request bounds travel as a CPU tensor, so no value of them is guarded."""
     return torch.ops.swallow.paged_attention(
         q, k_cache, v_cache, batch.q_pos, batch.q_start, batch.q_len, batch.kv_table, batch.kv_start, batch.kv_len,
-        batch.kv_first_pos, batch.host_bounds, batch.page_size, sliding_window or 0, sinks, triton,
+        batch.kv_first_pos, batch.host_bounds, batch.page_size, sliding_window or 0, sinks, triton, kv_scales,
     )
 
 
@@ -567,14 +638,15 @@ class DecodeAttentionBackend:
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         is_swa, k_cache, v_cache = self.tensors.layer(layer_idx)
+        scales = self.tensors.scales(layer_idx)
         b = self.batch
         if is_swa:
-            store_kv(k_cache, v_cache, b.swa_write, k, v)
+            store_kv(k_cache, v_cache, b.swa_write, k, v, scales)
             return self.attention_fn(q, k_cache, v_cache, b.swa_slots, 1, b.swa_len, b.positions,
-                                     spec.sliding_window, sinks)
-        store_kv(k_cache, v_cache, b.full_write, k, v)
+                                     spec.sliding_window, sinks, scales)
+        store_kv(k_cache, v_cache, b.full_write, k, v, scales)
         return self.attention_fn(q, k_cache, v_cache, b.full_pages, b.page_size, b.positions + 1, b.positions,
-                                 spec.sliding_window, sinks)
+                                 spec.sliding_window, sinks, scales)
 
     def store_hidden(self, hidden: torch.Tensor) -> None:
         """The target's final hidden states of the step's rows, for the MTP layers."""

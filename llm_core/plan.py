@@ -28,7 +28,7 @@ import torch
 from llm_core.bench.kv_capacity import GIB, kv_capacity
 from llm_core.config import ModelConfig
 
-__all__ = ["Hardware", "ParameterCounts", "parameter_counts", "plan"]
+__all__ = ["Hardware", "ParameterCounts", "WeightBytes", "parameter_counts", "plan", "weight_bytes"]
 
 _ROUTED = (".experts.gate_up_proj", ".experts.down_proj")
 
@@ -40,13 +40,17 @@ class Hardware:
     # Memory a GPU keeps for everything but weights and KV: activations, CUDA
     # graphs, communication buffers, allocator slack.
     reserve_gib: float = 10.0
-    weight_bytes: float = 1.0  # per parameter: 1 for FP8 checkpoints (MiMo-V2 ships FP8), 2 for BF16
+    # How the weights are held: "fp8" as the published checkpoints are (and
+    # Swallow keeps them where FP8 GEMMs run), or "bf16".
+    weights: str = "fp8"
     activation_bytes: int = 2  # per hidden element sent in the all-to-all (BF16)
     kv_dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self) -> None:
-        if self.gpus < 1 or self.gpu_mem_gib <= 0 or self.reserve_gib < 0 or self.weight_bytes <= 0:
-            raise ValueError("gpus must be >= 1, gpu memory > 0, reserve >= 0 and weight bytes > 0")
+        if self.gpus < 1 or self.gpu_mem_gib <= 0 or self.reserve_gib < 0:
+            raise ValueError("gpus must be >= 1, gpu memory > 0 and reserve >= 0")
+        if self.weights not in ("fp8", "bf16"):
+            raise ValueError(f"weights are held as 'fp8' or 'bf16', got {self.weights!r}")
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,43 @@ def parameter_counts(config: ModelConfig) -> ParameterCounts:
     return ParameterCounts(routed, replicated)
 
 
+@dataclass(frozen=True)
+class WeightBytes:
+    routed_experts: int  # sharded over the EP group
+    replicated: int  # on every GPU
+
+    @property
+    def total(self) -> int:
+        return self.routed_experts + self.replicated
+
+
+def weight_bytes(config: ModelConfig, weights: str = "fp8") -> WeightBytes:
+    """Resident bytes of the model's weights as the engine holds them, counted on
+    the meta device: "fp8" as the published checkpoints are (FP8 matrices with
+    their scale tables, o_proj and the small tensors BF16, the router float32),
+    "bf16" as a BF16 checkpoint (router float32)."""
+    from llm_core.fp8_linear import fp8_model_on_meta, published_fp8_scheme
+    from llm_core.layers import TopKRouter
+    from llm_core.model import MiMoV2ForCausalLM
+
+    if weights == "fp8":
+        model = fp8_model_on_meta(config, published_fp8_scheme(config))
+    else:
+        with torch.device("meta"):
+            model = MiMoV2ForCausalLM(config).to(torch.bfloat16)
+            for module in model.modules():
+                if isinstance(module, TopKRouter):
+                    module.float()
+    routed = replicated = 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        nbytes = tensor.numel() * tensor.element_size()
+        if ".experts." in name:
+            routed += nbytes
+        else:
+            replicated += nbytes
+    return WeightBytes(routed, replicated)
+
+
 def ep_sizes(gpus: int, experts: int) -> list[int]:
     """EP group sizes that split both the GPUs and the experts evenly."""
     return [n for n in range(1, gpus + 1) if gpus % n == 0 and experts % n == 0]
@@ -96,7 +137,8 @@ def plan(config: ModelConfig, hardware: Hardware, context: int, target_concurren
     and with full-attention-style KV. Without a target: what full-attention KV
     reaches at the largest EP size, the figure SWA should match with less EP."""
     counts = parameter_counts(config)
-    rows = [_row(config, hardware, counts, context, ep, page_size)
+    resident = weight_bytes(config, hardware.weights)
+    rows = [_row(config, hardware, resident, context, ep, page_size)
             for ep in ep_sizes(hardware.gpus, config.n_routed_experts)]
     if target_concurrency is None:
         target_concurrency = max(r["full_attention_requests"] for r in rows) or 1
@@ -108,10 +150,13 @@ def plan(config: ModelConfig, hardware: Hardware, context: int, target_concurren
         "gpus": hardware.gpus,
         "gpu_mem_gib": hardware.gpu_mem_gib,
         "reserve_gib": hardware.reserve_gib,
-        "weight_bytes_per_param": hardware.weight_bytes,
+        "weights": hardware.weights,
         "context": context,
         "parameters": {"total": counts.total, "routed_experts": counts.routed_experts,
                        "replicated": counts.replicated},
+        "weight_bytes": {"total": resident.total, "routed_experts": resident.routed_experts,
+                         "replicated": resident.replicated,
+                         "per_parameter": round(resident.total / counts.total, 4)},
         "target_concurrency": target_concurrency,
         "smallest_ep_swa": smallest("swa_requests"),
         "smallest_ep_full_attention": smallest("full_attention_requests"),
@@ -119,9 +164,9 @@ def plan(config: ModelConfig, hardware: Hardware, context: int, target_concurren
     }
 
 
-def _row(config: ModelConfig, hardware: Hardware, counts: ParameterCounts, context: int, ep: int,
+def _row(config: ModelConfig, hardware: Hardware, resident: WeightBytes, context: int, ep: int,
          page_size: int) -> dict[str, Any]:
-    weights = (counts.replicated + counts.routed_experts / ep) * hardware.weight_bytes
+    weights = resident.replicated + resident.routed_experts / ep
     kv_budget = hardware.gpu_mem_gib * GIB - hardware.reserve_gib * GIB - weights
     row: dict[str, Any] = {
         "ep_size": ep,

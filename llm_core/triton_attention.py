@@ -57,6 +57,8 @@ def _attend_block(
     stride_vh,
     qk_scale,
     window,
+    k_scale,
+    v_scale,
     D: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -66,6 +68,7 @@ def _attend_block(
     USE_DOT: tl.constexpr,
     F32_DOT: tl.constexpr,
     PAGE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One key block [n0, n0 + BLOCK_N) of the online softmax; returns the new
     (max, denominator, accumulator)."""
@@ -83,6 +86,8 @@ def _attend_block(
         mask=n_ok[:, None] & (d[None, :] < D),
         other=0.0,
     )
+    if KV_FP8:  # stored = value / scale
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
     if USE_DOT:
         if F32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -111,6 +116,8 @@ def _attend_block(
         mask=n_ok[:, None] & (dv[None, :] < DV),
         other=0.0,
     )
+    if KV_FP8:
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     if USE_DOT:
         if F32_DOT:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -130,6 +137,7 @@ def _paged_attention_kernel(
     V,
     O,
     Sinks,
+    KVScales,  # [2] (k, v) of an FP8 pool; unused otherwise
     q_pos_ptr,
     q_start_ptr,
     q_len_ptr,
@@ -164,6 +172,7 @@ def _paged_attention_kernel(
     F32_DOT: tl.constexpr,
     INTERPRET: tl.constexpr,
     PAGE: tl.constexpr,  # keys per page-table entry (1: the table lists slots)
+    KV_FP8: tl.constexpr,  # K/V are float8_e4m3fn, scaled by KVScales
 ):
     b = tl.program_id(0)
     head_base = tl.program_id(1) * HEADS_PER_PROG
@@ -215,6 +224,12 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if KV_FP8:
+        k_scale = tl.load(KVScales)
+        v_scale = tl.load(KVScales + 1)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
 
     # The interpreter cannot use a runtime scalar as a range() bound (numpy
     # >= 2.4 refuses int() of its 1-element arrays); compiled, a for loop is
@@ -224,16 +239,16 @@ def _paged_attention_kernel(
         while n0 < hi:
             m_i, l_i, acc = _attend_block(
                 q, qpos, row_ok, m_i, l_i, acc, K, V, kv_table_ptr, kv_start, kv_head, first_pos, n0, hi,
-                stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, window,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_WINDOW, USE_DOT, F32_DOT, PAGE,
+                stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, window, k_scale, v_scale,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_WINDOW, USE_DOT, F32_DOT, PAGE, KV_FP8,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_block(
                 q, qpos, row_ok, m_i, l_i, acc, K, V, kv_table_ptr, kv_start, kv_head, first_pos, n0, hi,
-                stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, window,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_WINDOW, USE_DOT, F32_DOT, PAGE,
+                stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, window, k_scale, v_scale,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_WINDOW, USE_DOT, F32_DOT, PAGE, KV_FP8,
             )  # fmt: skip
 
     out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows have l = 0
@@ -254,6 +269,7 @@ def _launch(
     heads_per_prog: int,
     q_per_prog: int,
     block_n: int,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     t, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -287,6 +303,7 @@ def _launch(
         v_cache,
         out,
         sinks if sinks is not None else q,  # unused pointer when HAS_SINKS is off
+        kv_scales if kv_scales is not None else q,  # unused pointer when KV_FP8 is off
         batch.q_pos,
         batch.q_start,
         batch.q_len,
@@ -319,6 +336,7 @@ def _launch(
         F32_DOT=q.dtype == torch.float32 or _interpreting(),
         INTERPRET=_interpreting(),
         PAGE=batch.page_size,
+        KV_FP8=kv_scales is not None,
         **extra,
     )
     return out
@@ -340,10 +358,11 @@ def extend_attention_triton(
     batch: PagedBatch,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill / chunked prefill: tiles of consecutive queries of one head."""
     q_per_prog = 16 if _interpreting() else 64
-    return _launch(q, k_cache, v_cache, batch, sliding_window, sinks, 1, q_per_prog, _block_n(q.shape[-1]))
+    return _launch(q, k_cache, v_cache, batch, sliding_window, sinks, 1, q_per_prog, _block_n(q.shape[-1]), kv_scales)
 
 
 def decode_attention_triton(
@@ -353,12 +372,13 @@ def decode_attention_triton(
     batch: PagedBatch,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode (every request has q_len == 1): one program per (request, kv
     head) whose tile rows are the GQA group's query heads, so K/V are loaded
     once per group."""
     group = q.shape[1] // k_cache.shape[1]
-    return _launch(q, k_cache, v_cache, batch, sliding_window, sinks, group, 1, _block_n(q.shape[-1]))
+    return _launch(q, k_cache, v_cache, batch, sliding_window, sinks, group, 1, _block_n(q.shape[-1]), kv_scales)
 
 
 def paged_attention_triton(
@@ -368,12 +388,13 @@ def paged_attention_triton(
     batch: PagedBatch,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``paged_attention_torch``: q [T, Hq, D], k_cache [S, Hkv, D],
     v_cache [S, Hkv, Dv] -> [T, Hq, Dv] in q's dtype."""
     if batch.q_bounds and all(n == 1 for _, n in batch.q_bounds):
-        return decode_attention_triton(q, k_cache, v_cache, batch, sliding_window, sinks)
-    return extend_attention_triton(q, k_cache, v_cache, batch, sliding_window, sinks)
+        return decode_attention_triton(q, k_cache, v_cache, batch, sliding_window, sinks, kv_scales)
+    return extend_attention_triton(q, k_cache, v_cache, batch, sliding_window, sinks, kv_scales)
 
 
 @torch.library.custom_op("swallow::paged_decode_attention", mutates_args=())
@@ -387,6 +408,7 @@ def _paged_decode_attention_op(
     q_pos: torch.Tensor,
     sliding_window: int,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     b, width = pages.shape
     device = q.device
@@ -404,7 +426,7 @@ def _paged_decode_attention_op(
         q_bounds=tuple((i, 1) for i in range(b)),  # sizes the grid; no value is read on the host
         kv_bounds=(),
     )
-    return decode_attention_triton(q, k_cache, v_cache, batch, sliding_window or None, sinks)
+    return decode_attention_triton(q, k_cache, v_cache, batch, sliding_window or None, sinks, kv_scales)
 
 
 _paged_decode_attention_op.register_fake(attention_output)
@@ -420,8 +442,9 @@ def paged_decode_attention_triton(
     q_pos: torch.Tensor,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``paged_decode_attention_torch``. A custom op, so a compiled
     forward calls the kernel as one opaque node and a CUDA graph captures it."""
     return torch.ops.swallow.paged_decode_attention(q, k_cache, v_cache, pages, page_size, kv_len, q_pos,
-                                                    sliding_window or 0, sinks)
+                                                    sliding_window or 0, sinks, kv_scales)

@@ -41,7 +41,7 @@ __all__ = [
     "SnapshotRequest", "SpanSpec", "Submit", "Tokens", "WorkerPong", "decode", "encode",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class ProtocolError(ValueError):
@@ -129,6 +129,7 @@ class PrefillRequest(_Msg):
     ticket: Ticket
     page_size: int  # the receiver's KV layout: a sender of another layout refuses
     swa_mode: str
+    kv_layout: str  # the receiver's KV dtype and FP8 scales (Engine.kv_layout)
 
 
 class AbortPrefill(_Msg):

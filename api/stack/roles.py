@@ -132,7 +132,8 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
                   ("--max-running-requests", "max_running_requests"),
                   ("--cuda-graph-max-batch", "cuda_graph_max_batch"), ("--speculative-tokens", "speculative_tokens"),
                   ("--schedule-policy", "schedule_policy"), ("--schedule-buckets", "schedule_buckets"),
-                  ("--kv-host-gib", "kv_host_gib"), ("--kv-disk-gib", "kv_disk_gib"))
+                  ("--kv-host-gib", "kv_host_gib"), ("--kv-disk-gib", "kv_disk_gib"),
+                  ("--quantization", "quantization"), ("--kv-cache-dtype", "kv_cache_dtype"))
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
     if args.ep_size != 1:

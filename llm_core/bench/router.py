@@ -76,12 +76,16 @@ class NodeMemory:
     # Weights plus KV pools; the rest is activations, CUDA graphs and
     # all-to-all buffers (SGLang's ``mem_fraction_static`` on large GPUs).
     static_fraction: float = 0.9
-    weight_bytes_per_param: float = 1.0  # FP8
+    weights: str = "fp8"  # held as the published checkpoints are (llm_core.plan.weight_bytes)
     kv_bytes_per_element: int = 2  # BF16
 
+    def weight_bytes(self, config: ModelConfig) -> int:
+        from llm_core.plan import weight_bytes
+
+        return weight_bytes(config, self.weights).total
+
     def kv_bytes(self, config: ModelConfig) -> int:
-        weights = config.num_parameters() * self.weight_bytes_per_param
-        return int(self.gpus * self.gpu_bytes * self.static_fraction - weights)
+        return int(self.gpus * self.gpu_bytes * self.static_fraction - self.weight_bytes(config))
 
     def bytes_per_token(self, config: ModelConfig) -> tuple[int, int]:
         """KV bytes of one position in the full pool and in the SWA pool (SWA and MTP layers)."""
@@ -96,7 +100,7 @@ class NodeMemory:
 
     def describe(self, config: ModelConfig, swa_fraction: float) -> dict[str, Any]:
         full, swa = self.bytes_per_token(config)
-        return {**asdict(self), "weight_bytes": int(config.num_parameters() * self.weight_bytes_per_param),
+        return {**asdict(self), "weight_bytes": self.weight_bytes(config),
                 "kv_bytes": self.kv_bytes(config), "full_kv_bytes_per_token": full, "swa_kv_bytes_per_token": swa,
                 "full_tokens": self.full_tokens(config, swa_fraction)}
 

@@ -7,13 +7,18 @@
 // positions up to q_pos[b], key i at slot pages[b][i / page] * page + i % page.
 // window > 0 keeps keys with q_pos - k_pos < window. sinks [Hq] (optional)
 // join each head's softmax denominator as one more logit with no value.
+// K/V may be float8_e4m3fn pools (stored = value / scale): kv_scales [2]
+// (k, v) then scale the scores and the output, and each stored byte is read
+// through a 256-entry table of its e4m3 value.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -43,17 +48,41 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-template <typename scalar_t, typename page_t>
-void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* v, const page_t* pages,
+// The e4m3 value of every byte, exact in float.
+const float* e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b)
+      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+// One element of a K or V row as float: the pool's own dtype, or an e4m3 byte.
+template <typename kv_t>
+struct KVElement {
+  static inline float at(const kv_t* row, int64_t c, const float*) { return static_cast<float>(row[c]); }
+};
+template <>
+struct KVElement<uint8_t> {
+  static inline float at(const uint8_t* row, int64_t c, const float* table) { return table[row[c]]; }
+};
+
+template <typename scalar_t, typename kv_t, typename page_t>
+void decode_kernel(const scalar_t* q, const kv_t* k, const kv_t* v, const page_t* pages,
                    const int64_t* kv_len, const float* sinks, scalar_t* out,
                    int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t dv, int64_t width,
                    int64_t page, int64_t window, int64_t k_stride0, int64_t k_stride1,
-                   int64_t v_stride0, int64_t v_stride1) {
+                   int64_t v_stride0, int64_t v_stride1, float k_scale, float v_scale) {
   const int64_t group = hq / hkv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  // A K scale multiplies every score: folded into the query's.
+  const float scale = k_scale / std::sqrt(static_cast<float>(d));
+  const float* table = e4m3_table();
   at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * dv), m(group), l(group), s(group * kBlock), p(kBlock);
-    std::vector<const scalar_t*> values(kBlock);
+    std::vector<float> kf(d);
+    std::vector<const kv_t*> values(kBlock);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / hkv, h = task % hkv;
       const int64_t n = kv_len[b];
@@ -77,15 +106,24 @@ void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* v, cons
             offset = 0;
             ++page_index;
           }
-          const scalar_t* key = k + slot * k_stride0 + h * k_stride1;
+          const kv_t* key = k + slot * k_stride0 + h * k_stride1;
           values[j] = v + slot * v_stride0 + h * v_stride1;
+          // FP8 keys are decoded once for the whole GQA group.
+          if constexpr (std::is_same_v<kv_t, uint8_t>) {
+            for (int64_t c = 0; c < d; ++c) kf[c] = table[key[c]];
+          }
           for (int64_t g = 0; g < group; ++g) {
             const float* qg = qf.data() + g * d;
             float dot = 0.0f;
             // A vectorised reduction: its order is fixed at compile time, so a
             // row's result depends on nothing but its own inputs.
+            if constexpr (std::is_same_v<kv_t, uint8_t>) {
 #pragma omp simd reduction(+ : dot)
-            for (int64_t c = 0; c < d; ++c) dot += qg[c] * static_cast<float>(key[c]);
+              for (int64_t c = 0; c < d; ++c) dot += qg[c] * kf[c];
+            } else {
+#pragma omp simd reduction(+ : dot)
+              for (int64_t c = 0; c < d; ++c) dot += qg[c] * static_cast<float>(key[c]);
+            }
             s[g * kBlock + j] = dot;
           }
         }
@@ -109,16 +147,16 @@ void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* v, cons
           }
           l[g] += total;
           for (int64_t j = 0; j < count; ++j) {
-            const scalar_t* value = values[j];
+            const kv_t* value = values[j];
             const float pj = p[j];
 #pragma omp simd
-            for (int64_t c = 0; c < dv; ++c) a[c] += pj * static_cast<float>(value[c]);
+            for (int64_t c = 0; c < dv; ++c) a[c] += pj * KVElement<kv_t>::at(value, c, table);
           }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* o = out + (b * hq + h * group + g) * dv;
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        const float inv = l[g] > 0.0f ? v_scale / l[g] : 0.0f;
         for (int64_t j = 0; j < dv; ++j) o[j] = static_cast<scalar_t>(acc[g * dv + j] * inv);
       }
     }
@@ -129,11 +167,21 @@ void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* v, cons
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor pages, int64_t page_size, torch::Tensor kv_len,
-                                     torch::Tensor q_pos, int64_t window, std::optional<torch::Tensor> sinks) {
+                                     torch::Tensor q_pos, int64_t window, std::optional<torch::Tensor> sinks,
+                                     std::optional<torch::Tensor> kv_scales) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "K/V rows must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q, K and V must share a dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V must share a dtype");
+  TORCH_CHECK(fp8 || k_cache.scalar_type() == q.scalar_type(), "q, K and V must share a dtype (or K/V be FP8)");
+  TORCH_CHECK(fp8 == kv_scales.has_value(), "FP8 K/V come with their scales, and only they do");
+  float k_scale = 1.0f, v_scale = 1.0f;
+  if (fp8) {
+    auto both = kv_scales->to(torch::kFloat).contiguous();
+    TORCH_CHECK(both.numel() == 2, "kv_scales holds (k_scale, v_scale)");
+    k_scale = both.data_ptr<float>()[0];
+    v_scale = both.data_ptr<float>()[1];
+  }
   q = q.contiguous();
   pages = pages.contiguous();
   kv_len = kv_len.to(torch::kLong).contiguous();
@@ -147,10 +195,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const float* sink_ptr = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto* page_ptr) {
-      decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                              page_ptr, kv_len.data_ptr<int64_t>(), sink_ptr,
-                              out.data_ptr<scalar_t>(), batch, hq, hkv, d, dv, pages.size(1), page_size, window,
-                              k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1));
+      auto with = [&](auto* k_ptr, auto* v_ptr) {
+        decode_kernel(q.data_ptr<scalar_t>(), k_ptr, v_ptr, page_ptr, kv_len.data_ptr<int64_t>(), sink_ptr,
+                      out.data_ptr<scalar_t>(), batch, hq, hkv, d, dv, pages.size(1), page_size, window,
+                      k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k_scale, v_scale);
+      };
+      if (fp8) {
+        with(static_cast<const uint8_t*>(k_cache.data_ptr()), static_cast<const uint8_t*>(v_cache.data_ptr()));
+      } else {
+        with(static_cast<const scalar_t*>(k_cache.data_ptr()), static_cast<const scalar_t*>(v_cache.data_ptr()));
+      }
     };
     if (pages.scalar_type() == torch::kInt) {
       run(pages.data_ptr<int32_t>());

@@ -29,7 +29,7 @@ from llm_core import LLM, SamplingParams
 from llm_core.config import LayerType, ModelConfig
 from llm_core.kv_cache import ContiguousAttention, RequestKVCache, Segment
 from llm_core.model import MiMoV2ForCausalLM
-from llm_core.weights import load_model
+from llm_core.weights import CheckpointError, load_model
 from tests.conftest import append_mtp_shard, _make_peaky
 
 VOCAB = 128
@@ -390,7 +390,10 @@ def test_sweep_fails_on_every_deliberate_off_by_one_that_matters(example: Exampl
         for i, knob in enumerate(OFF_BY_ONES):
             if not knob.matters(right, len(prompt)):
                 continue
-            model = load_model(_checkpoint_with_config(checkpoint, knob.inject(right), Path(tmp) / str(i)))
+            try:
+                model = load_model(_checkpoint_with_config(checkpoint, knob.inject(right), Path(tmp) / str(i)))
+            except CheckpointError:
+                continue  # noticed at load: e.g. sinks the config no longer has are tensors nothing uses
             if not _mismatches(_swallow_logits(model, prompt), ref):
                 unnoticed.append(knob.name)
         assert not unnoticed, f"the comparison missed: {unnoticed}"

@@ -37,7 +37,7 @@ def test_ep_sizes_and_all_to_all_bytes() -> None:
 
 def test_plan_rows_and_the_smallest_ep_size() -> None:
     config = tiny()
-    hardware = Hardware(gpus=8, gpu_mem_gib=0.05, reserve_gib=0.0, weight_bytes=2)
+    hardware = Hardware(gpus=8, gpu_mem_gib=0.05, reserve_gib=0.0, weights="bf16")
     result = plan(config, hardware, context=4096)
     rows = result["ep"]
     assert [r["ep_size"] for r in rows] == ep_sizes(8, config.n_routed_experts)
@@ -63,7 +63,20 @@ def test_weights_that_do_not_fit_leave_no_kv() -> None:
     result = plan(get_preset("mimo-v2.5-pro"), Hardware(gpus=16, gpu_mem_gib=141), context=131072)
     by_ep = {r["ep_size"]: r for r in result["ep"]}
     assert not by_ep[1]["fits"] and by_ep[1]["swa_requests"] == 0
-    assert by_ep[16]["fits"] and by_ep[16]["swa_requests"] > 4 * by_ep[16]["full_attention_requests"] > 0
+    assert by_ep[16]["fits"] and by_ep[16]["swa_requests"] > 4 * by_ep[16]["full_attention_requests"]
+    assert by_ep[16]["swa_requests"] > 0
+
+
+def test_weights_are_counted_as_held() -> None:
+    from llm_core.plan import parameter_counts, weight_bytes
+
+    config = get_preset("mimo-v2-flash")
+    params = parameter_counts(config).total
+    fp8, bf16 = weight_bytes(config, "fp8"), weight_bytes(config, "bf16")
+    # FP8 matrices, their scales, BF16 o_proj / embeddings / norms: a little over a byte per parameter.
+    assert params < fp8.total < 1.1 * params
+    assert 1.9 * fp8.total < bf16.total < 2.1 * params
+    assert fp8.routed_experts > 10 * fp8.replicated
 
 
 def test_hardware_is_checked() -> None:
