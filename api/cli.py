@@ -169,8 +169,17 @@ def _bench(args: argparse.Namespace) -> int:
         from llm_core.bench.kv_capacity import GIB, kv_capacity
         from llm_core.presets import get_preset
 
+        import torch
+
+        from llm_core.engine import resolve_kv_dtype
+
+        kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, torch.bfloat16)
         result = kv_capacity(get_preset(args.preset), args.context, int(args.kv_budget_gib * GIB),
-                             page_size=args.page_size)
+                             page_size=args.page_size, dtype=kv_dtype)
+    elif args.name == "fp8":
+        from api.bench_fp8 import fp8_bench
+
+        result = fp8_bench(per_task=args.fp8_eval_per_task, log=lambda msg: print(msg, file=sys.stderr))
     elif args.name == "prefix-cache":
         result = _bench_prefix_cache(args)
     elif args.name == "schedule":
@@ -626,7 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
     bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load",
                                         "step", "mtp", "tiers", "schedule", "router", "stack", "structured", "ep",
-                                        "pd"])
+                                        "pd", "fp8"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv, step: model shape")
     bench.add_argument("--running", type=int, default=64, help="step: running requests")
@@ -634,6 +643,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--context", type=int, default=131072, help="kv: tokens per request")
     bench.add_argument("--kv-budget-gib", type=float, default=8192.0, help="kv: KV memory budget")
     bench.add_argument("--page-size", type=int, default=16, help="kv, tiers: full-pool page size")
+    bench.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"],
+                       help="kv: what the pools store (auto: bf16)")
+    bench.add_argument("--fp8-eval-per-task", type=int, default=6,
+                       help="fp8: demo eval items per task, with each KV dtype")
     bench.add_argument("--lengths", help="tiers: cached prefix lengths, comma-separated (default: 2048..32768)")
     bench.add_argument("--num-requests", type=int, default=32, help="throughput: requests")
     bench.add_argument("--eager", action="store_true", help="throughput: Swallow without torch.compile")

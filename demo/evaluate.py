@@ -22,7 +22,7 @@ import asyncio
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,12 +235,13 @@ class _Asked:
         return [a for _, a in self.first] + [a for _, _, a in self.follow_ups]
 
 
-async def _run_config(model_dir: Path, items: list[_Item], setting: _Setting) -> tuple[_Asked, dict[str, Any]]:
+async def _run_config(model_dir: Path, items: list[_Item], setting: _Setting,
+                      engine_options: Mapping[str, Any]) -> tuple[_Asked, dict[str, Any]]:
     """Every item's answer under one engine setting, then the round trips, and the
     engine's MTP draft statistics over them."""
     model = ServingModel(model_dir, enable_prefix_caching=setting.prefix_caching,
                          max_running_requests=max(setting.concurrency, 1),
-                         speculative_tokens=None if setting.speculative else 0)
+                         speculative_tokens=None if setting.speculative else 0, **engine_options)
     chat = ChatService(model, ServerMetrics())
     gate = asyncio.Semaphore(setting.concurrency)
 
@@ -334,14 +335,17 @@ def eval_demo(
     per_task: int = 34,
     concurrencies: Sequence[int] = (1, 16),
     prefix_caching: Sequence[bool] = (True, False),
+    engine_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``engine_options``: more ``LLM`` options for every setting (e.g. ``kv_cache_dtype``)."""
     model_dir = Path(model_dir)
     samples = make_eval_set(seed, per_task)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="swallow-eval-") as tmp:
         items = _first_turns([(s, write_media(s, Path(tmp), f"item{i:04d}")) for i, s in enumerate(samples)])
         settings = _settings(concurrencies, prefix_caching)
-        outcomes = {setting: asyncio.run(_run_config(model_dir, items, setting)) for setting in settings}
+        outcomes = {setting: asyncio.run(_run_config(model_dir, items, setting, engine_options or {}))
+                    for setting in settings}
     reference = outcomes[settings[0]][0]
     identical = {setting.label: asked.answers() == reference.answers() for setting, (asked, _) in outcomes.items()}
     spec = outcomes[settings[0]][1]

@@ -273,8 +273,8 @@ def _decode_attention_torch(
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, kv_scales: torch.Tensor | None,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``k_cache[index]``, ``v_cache[index]``, dequantized to ``dtype`` from an FP8 pool."""
-    if kv_scales is None:
-        return k_cache[index], v_cache[index]
+    if kv_scales is None:  # a pool in the run dtype, or bfloat16 under float32 compute
+        return k_cache[index].to(dtype), v_cache[index].to(dtype)
     keys, values = as_bytes(k_cache)[index].view(k_cache.dtype), as_bytes(v_cache)[index].view(v_cache.dtype)
     return dequantize_kv(keys, kv_scales[0], dtype), dequantize_kv(values, kv_scales[1], dtype)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from llm_core.config import AttentionSpec, ModelConfig
 
 
@@ -52,6 +54,20 @@ def tiny() -> ModelConfig:
     )
 
 
+def tiny_wide() -> ModelConfig:
+    """``tiny`` with widths no 64-wide block divides (hidden 96, expert width 40):
+    FP8 checkpoints of it have partial scale blocks in both dimensions."""
+    return dataclasses.replace(tiny(), hidden_size=96, intermediate_size=160, moe_intermediate_size=40)
+
+
+def tiny_kv2() -> ModelConfig:
+    """``tiny`` with 2 KV heads on full layers (4 on SWA layers, twice as many as
+    transformers builds them): a fused qkv_proj comes in 2 chunks, as MiMo-V2.5's in 4."""
+    config = tiny()
+    return dataclasses.replace(config, full_attention=dataclasses.replace(config.full_attention, num_kv_heads=2),
+                               sliding_attention=dataclasses.replace(config.sliding_attention, num_kv_heads=4))
+
+
 def mimo_v2_flash() -> ModelConfig:
     """MiMo-V2-Flash: 48 layers (full at 0, 5, 11, ..., 47), SWA window 128."""
     full_layers = {0} | {i for i in range(48) if (i + 1) % 6 == 0}
@@ -94,7 +110,8 @@ def mimo_v2_5_pro() -> ModelConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "mimo-v2-flash": mimo_v2_flash, "mimo-v2.5-pro": mimo_v2_5_pro}
+PRESETS = {"tiny": tiny, "tiny-wide": tiny_wide, "tiny-kv2": tiny_kv2, "mimo-v2-flash": mimo_v2_flash,
+           "mimo-v2.5-pro": mimo_v2_5_pro}
 
 
 def get_preset(name: str) -> ModelConfig:

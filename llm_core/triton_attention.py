@@ -88,6 +88,8 @@ def _attend_block(
     )
     if KV_FP8:  # stored = value / scale
         k = (k.to(tl.float32) * k_scale).to(q.dtype)
+    else:  # a bfloat16 pool under float32 compute reads as float32
+        k = k.to(q.dtype)
     if USE_DOT:
         if F32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -118,6 +120,8 @@ def _attend_block(
     )
     if KV_FP8:
         v = (v.to(tl.float32) * v_scale).to(q.dtype)
+    else:
+        v = v.to(q.dtype)
     if USE_DOT:
         if F32_DOT:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")

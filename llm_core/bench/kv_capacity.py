@@ -44,6 +44,7 @@ def kv_capacity(
     chunk: int = 8192,
     dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, Any]:
+    """``dtype``: what the pools store (bfloat16, float8_e4m3fn, ...)."""
     tensors = KVCacheTensors(config, 0, 0, dtype, "meta")
     full_bpt, swa_bpt = tensors.full_bytes_per_token, tensors.swa_bytes_per_token
     window = config.sliding_attention.sliding_window or 1
@@ -75,6 +76,7 @@ def kv_capacity(
     gain = results["hybrid"]["max_requests"] / max(results["full"]["max_requests"], 1)
     return {
         "context": context,
+        "kv_cache_dtype": str(dtype).removeprefix("torch."),
         "kv_budget_gib": budget_bytes / GIB,
         "window": w,
         "full_bytes_per_token": full_bpt,

@@ -172,8 +172,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "K/V rows must be contiguous");
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool bf16_pool = k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() != at::kBFloat16;
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V must share a dtype");
-  TORCH_CHECK(fp8 || k_cache.scalar_type() == q.scalar_type(), "q, K and V must share a dtype (or K/V be FP8)");
+  TORCH_CHECK(fp8 || bf16_pool || k_cache.scalar_type() == q.scalar_type(),
+              "K/V must be q's dtype, bfloat16 or float8_e4m3fn");
   TORCH_CHECK(fp8 == kv_scales.has_value(), "FP8 K/V come with their scales, and only they do");
   float k_scale = 1.0f, v_scale = 1.0f;
   if (fp8) {
@@ -202,6 +204,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       };
       if (fp8) {
         with(static_cast<const uint8_t*>(k_cache.data_ptr()), static_cast<const uint8_t*>(v_cache.data_ptr()));
+      } else if (bf16_pool) {
+        with(static_cast<const at::BFloat16*>(k_cache.data_ptr()),
+             static_cast<const at::BFloat16*>(v_cache.data_ptr()));
       } else {
         with(static_cast<const scalar_t*>(k_cache.data_ptr()), static_cast<const scalar_t*>(v_cache.data_ptr()));
       }

@@ -65,3 +65,30 @@ def test_schedule_buckets_option() -> None:
     assert _bucket_edges("65536,262144") == (65536, 262144)
     with pytest.raises(SystemExit, match="comma-separated"):
         _bucket_edges("64K")
+
+
+def test_init_checkpoint_fp8_writes_the_published_layout(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    import json
+
+    assert main(["init-checkpoint", str(tmp_path / "f"), "--preset", "tiny-kv2", "--fp8", "--fp8-block", "32,32",
+                 "--fused-qkv"]) == 0
+    assert "FP8, 32x32 blocks, fused qkv_proj" in capsys.readouterr().out
+    config = json.loads((tmp_path / "f" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [32, 32]
+    assert config["attention_projection_layout"] == "fused_qkv"
+    llm = LLM(tmp_path / "f")
+    assert llm.stats()["weights"]["checkpoint"] == "fp8 e4m3, 32x32 blocks"
+    assert main(["init-checkpoint", str(tmp_path / "g"), "--fp8", "--fp8-block", "100,100"]) == 2
+    assert "weight_block_size" in capsys.readouterr().err
+    assert main(["init-checkpoint", str(tmp_path / "h"), "--fused-qkv"]) == 2
+
+
+def test_engine_flags_reach_the_engine_and_every_stack_worker() -> None:
+    from api.cli import build_parser, engine_options
+    from api.stack.roles import _engine_args
+
+    args = build_parser().parse_args(["stack", "--quantization", "none", "--kv-cache-dtype", "fp8_e4m3"])
+    assert {"quantization": "none", "kv_cache_dtype": "fp8_e4m3"}.items() <= engine_options(args).items()
+    forwarded = _engine_args(args)
+    assert forwarded[forwarded.index("--quantization") + 1] == "none"
+    assert forwarded[forwarded.index("--kv-cache-dtype") + 1] == "fp8_e4m3"

@@ -3,7 +3,6 @@ the determinism contract against transformers run on the dequantized weights."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -16,7 +15,6 @@ from safetensors.torch import save_file
 
 from llm_core import LLM, CheckpointError, ConfigError, SamplingParams
 from llm_core.checkpoint import write_random_checkpoint
-from llm_core.config import ModelConfig
 from llm_core.fp8 import (
     FP8_DTYPE,
     Fp8Scheme,
@@ -26,30 +24,17 @@ from llm_core.fp8 import (
     quantize_blockwise,
     read_fp8_scheme,
 )
-from llm_core.presets import tiny
+from llm_core.presets import tiny, tiny_kv2, tiny_wide
 from llm_core.weights import load_model
 from tests.conftest import hf_greedy_outputs
-from tests.llm_core.fp8_reference import write_dequantized_copy
-
-
-def _partial_blocks() -> ModelConfig:
-    # hidden 96 and expert width 40 against 64x64 blocks: partial tiles in both
-    # dimensions (k_proj is [48, 96]: a partial row block and a partial column block).
-    return dataclasses.replace(tiny(), hidden_size=96, intermediate_size=160, moe_intermediate_size=40)
-
-
-def _two_kv_heads() -> ModelConfig:
-    # Two chunks of a fused qkv_proj; SWA layers with twice the KV heads, as transformers builds them.
-    config = tiny()
-    return dataclasses.replace(config, full_attention=dataclasses.replace(config.full_attention, num_kv_heads=2),
-                               sliding_attention=dataclasses.replace(config.sliding_attention, num_kv_heads=4))
+from llm_core.fp8_dequantize import write_dequantized_copy
 
 
 # (config, block, fused qkv_proj)
 CASES = {
-    "partial-blocks": (_partial_blocks(), (64, 64), False),
+    "partial-blocks": (tiny_wide(), (64, 64), False),
     "one-partial-tile": (tiny(), (128, 128), False),
-    "fused-qkv": (_two_kv_heads(), (32, 32), True),
+    "fused-qkv": (tiny_kv2(), (32, 32), True),
 }
 
 
@@ -228,7 +213,7 @@ def test_an_unknown_format_or_block_size_fails(quant: dict, words: str, fp8_chec
 
 
 def test_a_fused_qkv_checkpoint_needs_its_layout_declared(tmp_path: Path) -> None:
-    fused = write_random_checkpoint(tmp_path / "fused", _two_kv_heads(), fp8_block=(32, 32), fused_qkv=True)
+    fused = write_random_checkpoint(tmp_path / "fused", tiny_kv2(), fp8_block=(32, 32), fused_qkv=True)
     bad = _edited(fused, tmp_path / "bad", lambda t: None, lambda c: c.pop("attention_projection_layout"))
     with pytest.raises(CheckpointError, match=r"fused 'model\.layers\.0\.self_attn\.qkv_proj\.weight'.*fused_qkv"):
         LLM(bad)

@@ -149,7 +149,7 @@ def test_the_model_on_fp8_gemms(tf: ModuleType, tmp_path: Path) -> None:
     from llm_core.checkpoint import write_random_checkpoint
     from llm_core.fp8_linear import Fp8Linear, Fp8RoutedExperts
     from llm_core.presets import tiny
-    from tests.llm_core.fp8_reference import write_dequantized_copy
+    from llm_core.fp8_dequantize import write_dequantized_copy
 
     fp8 = write_random_checkpoint(tmp_path / "fp8", tiny(), seed=3, fp8_block=(32, 32))
     llm = LLM(fp8, device=DEVICE, quantization="fp8")

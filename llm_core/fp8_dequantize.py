@@ -1,5 +1,10 @@
-"""An FP8 checkpoint's dequantized float32 copy, written without the engine's
-loader: the oracle FP8 loading is checked against (through transformers)."""
+"""An FP8 checkpoint as float32 files, written without this engine's loader.
+
+It reads the tensors with the safetensors library and applies the format's
+definition (``W = fp8 * scale_inv`` per block, a fused ``qkv_proj`` cut into
+its q, k and v rows chunk by chunk) with nothing shared with ``weights.py``:
+what FP8 loading is checked against (transformers runs the copy), and a way
+to hand the weights to a tool that does not read FP8."""
 
 from __future__ import annotations
 
@@ -20,9 +25,10 @@ def _dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
     return weight.to(torch.float32) * per_element.to(torch.float32)
 
 
-def write_dequantized_copy(src: Path, dst: Path) -> Path:
+def write_dequantized_copy(src: str | Path, dst: str | Path) -> Path:
     """``src``'s weights as float32 (FP8 ones times their block scales, a fused
     qkv_proj split into q, k and v), config and tokenizer alongside."""
+    src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     quant = config.pop("quantization_config")
     block = tuple(quant["weight_block_size"])
