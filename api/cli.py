@@ -29,7 +29,13 @@ def _plan(args: argparse.Namespace) -> int:
     from llm_core.plan import Hardware, plan
     from llm_core.presets import get_preset
 
-    hardware = Hardware(args.gpus, args.gpu_mem_gib, reserve_gib=args.reserve_gib, weights=args.weights)
+    import torch
+
+    from llm_core.fp8 import FP8_DTYPE
+
+    kv_dtype = {"bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}[args.kv_cache_dtype]
+    hardware = Hardware(args.gpus, args.gpu_mem_gib, reserve_gib=args.reserve_gib, weights=args.weights,
+                        kv_dtype=kv_dtype)
     result = {"preset": args.preset, **plan(get_preset(args.preset), hardware, args.context, args.concurrency)}
     if args.json:
         print(json.dumps(result))
@@ -38,7 +44,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"{args.preset} on {args.gpus} x {args.gpu_mem_gib} GiB, {args.context:,}-token requests "
           f"(target {result['target_concurrency']} at once)")
     print(f"weights held as {args.weights}: {weights['total'] / (1 << 30):,.1f} GiB resident "
-          f"({weights['per_parameter']} bytes per parameter, scales included)")
+          f"({weights['per_parameter']} bytes per parameter, scales included); KV as {args.kv_cache_dtype}")
     print(f"{'EP':>4} {'weights/GPU':>12} {'KV/GPU':>9} {'SWA reqs':>9} {'full-attn reqs':>15} {'a2a B/token':>12}")
     for row in result["ep"]:
         print(f"{row['ep_size']:>4} {row['weights_gib_per_gpu']:>10.1f} G {row['kv_gib_per_gpu']:>7.1f} G "
@@ -586,6 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--weights", default="fp8", choices=["fp8", "bf16"],
                          help="how the weights are held: FP8 as published (matrices FP8 with their block scales, "
                               "o_proj and small tensors BF16), or BF16")
+    planner.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8_e4m3"], help="what KV pools store")
     planner.add_argument("--json", action="store_true", help="one JSON object")
     planner.set_defaults(func=_plan)
 

@@ -19,32 +19,49 @@ from safetensors.torch import save_file
 from llm_core.config import ModelConfig
 
 
-def _dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    rows, cols = weight.shape
-    per_element = scale.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
-    return weight.to(torch.float32) * per_element.to(torch.float32)
+def _dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """fp8 [..., rows, cols] times its scale: one per block tile, or one per tensor
+    (per expert of a stacked tensor when the scale has one value each)."""
+    values = weight.to(torch.float32)
+    scale = scale.to(torch.float32)
+    if block is None:
+        return values * (scale.reshape(-1, 1, 1) if scale.numel() > 1 else scale.reshape(()))
+    rows, cols = weight.shape[-2:]
+    per_element = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)
+    return values * per_element[..., :cols]
+
+
+def _scale_of(name: str, suffix: str) -> str:
+    """``X.weight`` -> ``X.<suffix>``; a stacked ``X.gate_up_proj`` -> ``X.gate_up_proj_<suffix minus weight_>``."""
+    if name.endswith(".weight"):
+        return name.removesuffix("weight") + suffix
+    return f"{name}_{suffix.removeprefix('weight_')}"
 
 
 def write_dequantized_copy(src: str | Path, dst: str | Path) -> Path:
-    """``src``'s weights as float32 (FP8 ones times their block scales, a fused
-    qkv_proj split into q, k and v), config and tokenizer alongside."""
+    """``src``'s weights as float32 (FP8 ones times their block or per-tensor
+    scales, a fused qkv_proj split into q, k and v; activation and KV scales
+    left out), config and tokenizer alongside."""
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     quant = config.pop("quantization_config")
-    block = tuple(quant["weight_block_size"])
+    block = tuple(quant["weight_block_size"]) if quant.get("weight_block_size") else None
+    suffix = "weight_scale_inv" if block else "weight_scale"
     fused = config.pop("attention_projection_layout", None) == "fused_qkv"
     model_config = ModelConfig.from_hf_dict(config)
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(src.glob("*.safetensors")):
         with safe_open(str(file), "pt") as handle:
             tensors |= {name: handle.get_tensor(name) for name in handle.keys()}
+    scales = {_scale_of(name, suffix) for name, t in tensors.items() if t.dtype == torch.float8_e4m3fn}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if name.endswith("weight_scale_inv"):
+        if name in scales or name.endswith(("input_scale", "k_scale", "v_scale", "kv_scale")):
             continue
         if tensor.dtype == torch.float8_e4m3fn:
-            scale = tensors[name.removesuffix("weight") + "weight_scale_inv"]
+            scale = tensors[_scale_of(name, suffix)]
             if name.endswith("qkv_proj.weight"):
+                assert block is not None, "a fused qkv_proj is block-quantized"
                 out |= _split_qkv(name, tensor, scale, block, fused, model_config)
                 continue
             tensor = _dequantize(tensor, scale, block)

@@ -28,7 +28,7 @@ import torch
 from llm_core.bench.kv_capacity import GIB, kv_capacity
 from llm_core.config import ModelConfig
 
-__all__ = ["Hardware", "ParameterCounts", "WeightBytes", "parameter_counts", "plan", "weight_bytes"]
+__all__ = ["ExpertSplit", "Hardware", "ParameterCounts", "WeightBytes", "parameter_counts", "plan", "weight_bytes"]
 
 _ROUTED = (".experts.gate_up_proj", ".experts.down_proj")
 
@@ -54,13 +54,18 @@ class Hardware:
 
 
 @dataclass(frozen=True)
-class ParameterCounts:
+class ExpertSplit:
+    """A quantity of the model (parameters, bytes) split by where EP puts it."""
+
     routed_experts: int  # sharded over the EP group
     replicated: int  # on every GPU
 
     @property
     def total(self) -> int:
         return self.routed_experts + self.replicated
+
+
+ParameterCounts = WeightBytes = ExpertSplit
 
 
 def parameter_counts(config: ModelConfig) -> ParameterCounts:
@@ -77,16 +82,6 @@ def parameter_counts(config: ModelConfig) -> ParameterCounts:
         else:
             replicated += param.numel()
     return ParameterCounts(routed, replicated)
-
-
-@dataclass(frozen=True)
-class WeightBytes:
-    routed_experts: int  # sharded over the EP group
-    replicated: int  # on every GPU
-
-    @property
-    def total(self) -> int:
-        return self.routed_experts + self.replicated
 
 
 def weight_bytes(config: ModelConfig, weights: str = "fp8") -> WeightBytes:
@@ -151,6 +146,7 @@ def plan(config: ModelConfig, hardware: Hardware, context: int, target_concurren
         "gpu_mem_gib": hardware.gpu_mem_gib,
         "reserve_gib": hardware.reserve_gib,
         "weights": hardware.weights,
+        "kv_cache_dtype": str(hardware.kv_dtype).removeprefix("torch."),
         "context": context,
         "parameters": {"total": counts.total, "routed_experts": counts.routed_experts,
                        "replicated": counts.replicated},

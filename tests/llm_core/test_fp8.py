@@ -246,3 +246,48 @@ def test_expert_parallel_ranks_read_only_their_experts(fp8_pair: tuple[Path, Pat
     name = "model.layers.1.mlp.experts.gate_up_proj"
     half = full[name].shape[0] // 2
     assert torch.equal(shard[name], full[name][half:])
+
+
+# ------------------------------------------------- other FP8 layouts in the wild
+def fp8_from_float(src: Path, dst: Path, block: tuple[int, int] | None) -> Path:
+    """A float checkpoint of this engine's layout (stacked ``mlp.experts.*`` as
+    transformers saves them) quantized FP8: in ``block`` tiles (scales
+    ``*_scale_inv``), or per tensor (``weight_scale``, one per expert of a
+    stacked tensor, static ``input_scale``s) as other FP8 exports are."""
+    from llm_core.fp8 import never_quantized, quantize_tensorwise
+
+    def quantize(tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in list(tensors.items()):
+            stacked = name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+            if not stacked and (tensor.dim() != 2 or not name.endswith(".weight") or never_quantized(name)):
+                continue
+            scale_name = (name.removesuffix("weight") if not stacked else f"{name}_") + \
+                ("weight_scale_inv" if block and not stacked else "scale_inv" if block else
+                 "weight_scale" if not stacked else "scale")
+            if block is not None:
+                tensors[name], tensors[scale_name] = quantize_blockwise(tensor, block)
+            elif stacked:
+                pairs = [quantize_tensorwise(expert) for expert in tensor]
+                tensors[name] = torch.stack([q for q, _ in pairs])
+                tensors[scale_name] = torch.stack([s for _, s in pairs])
+            else:
+                tensors[name], tensors[scale_name] = quantize_tensorwise(tensor)
+                tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.02)
+
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic" if block else "static"}
+    if block:
+        quant["weight_block_size"] = list(block)
+    return _edited(src, dst, quantize, lambda c: c.update(quantization_config=quant))
+
+
+@pytest.mark.parametrize("block", [None, (32, 32)], ids=["per-tensor", "stacked-experts-blocks"])
+def test_other_fp8_layouts_load_as_their_dequantized_weights(block: tuple[int, int] | None, tiny_checkpoint: Path,
+                                                             tmp_path: Path) -> None:
+    fp8 = fp8_from_float(tiny_checkpoint, tmp_path / "fp8", block)
+    ours = load_model(fp8).state_dict()
+    theirs = load_model(write_dequantized_copy(fp8, tmp_path / "dequantized")).state_dict()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+    # Quantized for real: the weights are not the float checkpoint's any more.
+    assert not torch.equal(ours["model.layers.1.mlp.experts.down_proj"],
+                           load_model(tiny_checkpoint).state_dict()["model.layers.1.mlp.experts.down_proj"])

@@ -4,17 +4,15 @@ the engine, its prefix cache, host/disk tiers and disaggregated transfers."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_interpreter import import_kernels, use_interpreter_without_cuda
+
+use_interpreter_without_cuda()
 
 from llm_core import LLM, SamplingParams  # noqa: E402
 from llm_core.fp8 import FP8_DTYPE  # noqa: E402
@@ -83,17 +81,7 @@ def test_the_cpu_decode_kernel_reads_fp8_pools(dtype: torch.dtype) -> None:
 @pytest.fixture(scope="module")
 def ta() -> ModuleType:
     """llm_core.triton_attention, imported after TRITON_INTERPRET is set."""
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    if os.environ.get("TRITON_INTERPRET") == "1" and "triton" in sys.modules:
-        import triton.language
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(triton.language.standard.max, InterpretedFunction):
-            importlib.reload(triton.language.standard)
-            importlib.reload(triton.language)
-    module = sys.modules.get("llm_core.triton_attention")
-    return importlib.import_module("llm_core.triton_attention") if module is None else importlib.reload(module)
+    return import_kernels("llm_core.triton_attention")
 
 
 @pytest.mark.parametrize("window", [None, 9])

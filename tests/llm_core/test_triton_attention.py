@@ -7,17 +7,15 @@ before the module is (re)imported.
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
-import sys
 from types import ModuleType
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_interpreter import import_kernels, use_interpreter_without_cuda
+
+use_interpreter_without_cuda()
 
 from llm_core.paged_attention import PagedBatch, paged_attention_torch  # noqa: E402
 
@@ -27,25 +25,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(scope="module")
 def ta() -> ModuleType:
     """llm_core.triton_attention, imported after TRITON_INTERPRET is set."""
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    if os.environ.get("TRITON_INTERPRET") == "1" and "triton" in sys.modules:
-        # Triton was imported before the variable was set: its own jit'd
-        # library functions (tl.max, tl.sum, ...) were compiled-mode objects
-        # the interpreter cannot call, so re-decorate them first.
-        import triton.language
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(triton.language.standard.max, InterpretedFunction):
-            importlib.reload(triton.language.standard)
-            importlib.reload(triton.language)
-    name = "llm_core.triton_attention"
-    module = sys.modules.get(name)
-    if module is None:
-        return importlib.import_module(name)
-    # Imported earlier, maybe before the variable was set: a reload
-    # re-decorates the kernel under the current setting.
-    return importlib.reload(module)
+    return import_kernels("llm_core.triton_attention")
 
 
 # (first key position, first query position, number of queries) per request.

@@ -9,17 +9,15 @@ capability 8.9+ the same tests run the compiled kernels (marked ``gpu``).
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_interpreter import import_kernels, use_interpreter_without_cuda
+
+use_interpreter_without_cuda()
 
 from llm_core.fp8 import (  # noqa: E402
     block_scale_rows,
@@ -36,17 +34,7 @@ FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8
 @pytest.fixture(scope="module")
 def tf() -> ModuleType:
     """llm_core.triton_fp8, imported after TRITON_INTERPRET is set."""
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    if os.environ.get("TRITON_INTERPRET") == "1" and "triton" in sys.modules:
-        import triton.language
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(triton.language.standard.max, InterpretedFunction):
-            importlib.reload(triton.language.standard)
-            importlib.reload(triton.language)
-    module = sys.modules.get("llm_core.triton_fp8")
-    return importlib.import_module("llm_core.triton_fp8") if module is None else importlib.reload(module)
+    return import_kernels("llm_core.triton_fp8")
 
 
 def _skip_without_fp8() -> None:
@@ -231,3 +219,32 @@ def test_auto_keeps_fp8_weights_on_an_fp8_gpu_compiled_and_graphed(tmp_path: Pat
         assert all(len(o.token_ids) == 8 for o in outputs)
     dense = LLM(fp8, device="cuda", dtype="bfloat16", quantization="none")
     assert dense.stats()["weights"]["resident_bytes"] > 1.5 * eager.stats()["weights"]["resident_bytes"]
+
+
+@pytest.mark.parametrize("block", [None, (32, 32)], ids=["per-tensor", "stacked-experts-blocks"])
+def test_other_fp8_layouts_stay_fp8_exactly(tf: ModuleType, tiny_checkpoint: Path, tmp_path: Path,
+                                            block: tuple[int, int] | None) -> None:
+    """Per-tensor scales become a one-row table (K groups of 128); stacked experts
+    keep their whole-matrix blocks: each module dequantizes to the float copy's."""
+    _skip_without_fp8()
+    from llm_core import LLM
+    from llm_core.fp8_dequantize import write_dequantized_copy
+    from llm_core.fp8_linear import Fp8Linear, Fp8RoutedExperts
+    from tests.llm_core.test_fp8 import fp8_from_float
+
+    fp8 = fp8_from_float(tiny_checkpoint, tmp_path / "fp8", block)
+    llm = LLM(fp8, device=DEVICE, quantization="fp8")
+    dense = LLM(write_dequantized_copy(fp8, tmp_path / "dense"), device=DEVICE).model
+    checked = 0
+    for name, module in llm.model.named_modules():
+        if isinstance(module, Fp8Linear):
+            weight = dequantize(module.weight, module.weight_scale_inv, module.weight_scale_row, module.group_k)
+            assert torch.equal(weight, dense.get_submodule(name).weight), name
+            checked += 1
+        elif isinstance(module, Fp8RoutedExperts):
+            for proj in ("gate_up_proj", "down_proj"):
+                values = dequantize(getattr(module, proj), getattr(module, f"{proj}_scale_inv"),
+                                    getattr(module, f"{proj}_scale_row"), module.group_k)
+                assert torch.equal(values, getattr(dense.get_submodule(name), proj)), f"{name}.{proj}"
+            checked += 1
+    assert checked > 20
