@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from llm_core.checkpoint_reader import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, CheckpointReader
-from llm_core.config import ConfigError, ModelConfig
+from llm_core.config import AttentionSpec, ConfigError, ModelConfig
 from llm_core.expert_parallel import ExpertParallel
 from llm_core.fp8 import Fp8Scheme, block_scale_rows, dequantize, never_quantized, quantize_blockwise, read_fp8_scheme
 from llm_core.fp8_linear import Fp8Linear, Fp8RoutedExperts, fp8_gemm_supported, resident_weight_bytes
@@ -181,9 +181,8 @@ class _Planner:
         return tuple(Piece(name, range(c * per_chunk + start, c * per_chunk + start + length),
                            (chunks * per_chunk, hidden), chunks) for c in range(chunks))
 
-    def _spec_of(self, attention: str):  # noqa: ANN202 - AttentionSpec
-        layer = int(attention.split(".")[2])
-        return self.config.attention(layer)
+    def _spec_of(self, attention: str) -> AttentionSpec:
+        return self.config.attention(int(attention.split(".")[2]))  # model.layers.N.self_attn
 
     def experts(self, prefix: str, expert: int, hidden: int, intermediate: int
                 ) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
