@@ -19,7 +19,7 @@ from llm_core.fp8 import Fp8Scheme, never_quantized, quantize_blockwise, read_bl
 from llm_core.fp8_linear import published_fp8_scheme
 from llm_core.layers import RMSNorm, RoutedExperts, TopKRouter
 from llm_core.model import MiMoV2ForCausalLM
-from llm_core.weights import save_model, save_tensors
+from llm_core.weights import FLOAT32_SUFFIXES, save_model, save_tensors
 
 # Random checkpoints are for small shapes; the big presets are for capacity math.
 MAX_RANDOM_PARAMS = 500_000_000
@@ -140,8 +140,7 @@ def hub_fp8_tensors(model: MiMoV2ForCausalLM, block: tuple[int, int], fused_qkv:
         if quantized and not scheme.lists_unconverted(module):
             out[name], out[f"{module}.weight_scale_inv"] = quantize_blockwise(tensor, block)
             return
-        float32 = name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))
-        out[name] = tensor.to(torch.float32 if float32 else torch.bfloat16)
+        out[name] = tensor.to(torch.float32 if name.endswith(FLOAT32_SUFFIXES) else torch.bfloat16)
 
     state = model.state_dict()
     for name, tensor in state.items():

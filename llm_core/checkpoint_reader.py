@@ -7,8 +7,9 @@ flight, not the model plus every file it has touched. The reader records
 which tensors were read (``used``): the loader turns a tensor nobody read
 into an error, so nothing in a checkpoint is dropped without a word.
 
-FP8 matrices are read with their scales (``read_matrix``), as ``fp8.py``
-describes them; ``read_dense`` gives any matrix's float32 values, FP8 or not.
+An FP8 matrix's scales are checked against the config's scheme and read as
+the scale table ``fp8.py`` describes (``read_scale_table``, ``scale_rows``);
+``read_dense`` gives any tensor as stored, an FP8 matrix as float32 values.
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ class CheckpointReader:
         scale = self.scale_name(name)
         if scale not in self:
             raise CheckpointError(f"FP8 tensor '{name}' has no scale: '{scale}' is missing "
-                                  f"({_scheme_words(scheme)})")
+                                  f"({scheme.describe()})")
         lead = () if experts is None else (experts,)
         if scheme.block is None:
             allowed = {(), (1,)} | ({(experts,), (experts, 1)} if experts else set())
@@ -272,7 +273,7 @@ class CheckpointReader:
         else:
             per_chunk = rows // chunks
             expected = (*lead, chunks * -(-per_chunk // scheme.block[0]), -(-cols // scheme.block[1]))
-            self.check_shape(scale, expected, f"its FP8 weight '{name}' ({_scheme_words(scheme)}"
+            self.check_shape(scale, expected, f"its FP8 weight '{name}' ({scheme.describe()}"
                              f"{f', in {chunks} chunks' if chunks > 1 else ''}) needs")
             table = (self.get(scale) if expert is None else self.get_rows(scale, range(expected[1]), expert))
             table = table.to(torch.float32)
@@ -319,10 +320,6 @@ def _read_scheme(model_dir: Path) -> Fp8Scheme | None:
         return read_fp8_scheme(data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-
-
-def _scheme_words(scheme: Fp8Scheme) -> str:
-    return f"block {scheme.block[0]}x{scheme.block[1]}" if scheme.block else "per-tensor"
 
 
 __all__ = ["CONFIG_FILE", "INDEX_FILE", "SINGLE_FILE", "CheckpointError", "CheckpointReader"]

@@ -360,6 +360,10 @@ class Engine:
         )
         self.kv = KVCacheTensors(mc, self.allocator.full.capacity, self.allocator.swa.capacity, dtype, device,
                                  config.page_size, **kv_layout, draft_slots=k * config.max_running_requests)
+        # What KV written here needs another engine to share to read it (PD
+        # transfers and tier addresses check it): the KV dtype and FP8 scales.
+        scales = sorted(self.kv.scale_values().items())
+        self.kv_layout = f"kv={self.kv.kv_dtype}" + (f";scales={scales}" if scales else "")
         longest = min(mc.max_position_embeddings, self.allocator.full.capacity)
         self.block_table = BlockTable(-(-longest // config.page_size), device, config.max_running_requests)
         self.tier_io: EngineTierIO | None = None
@@ -412,13 +416,7 @@ class Engine:
         return model_fingerprint(json.dumps(asdict(self.model.config), sort_keys=True, default=str),
                                  model_weights_digest(self.model), str(dtype), str(self.config.page_size),
                                  f"mtp={self.kv.draft_depths}", str(sorted(self.kv.shapes.items())),
-                                 self.kv_layout())
-
-    def kv_layout(self) -> str:
-        """What KV written by this engine needs another engine to share to read
-        it (PD transfers check it): the KV dtype, and an FP8 pool's scales."""
-        scales = sorted(self.kv.scale_values().items())
-        return f"kv={self.kv.kv_dtype}" + (f";scales={scales}" if scales else "")
+                                 self.kv_layout)
 
     def _build_cache(self) -> RadixCache:
         """The radix cache, with host and disk tiers under it when configured."""

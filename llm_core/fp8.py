@@ -29,7 +29,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 BLOCK_SCALE_SUFFIX = "weight_scale_inv"
 TENSOR_SCALE_SUFFIX = "weight_scale"
-INPUT_SCALE_SUFFIX = "input_scale"
 # Block sides a kernel tiles by: one scale per tile of the product.
 _BLOCK_SIDES = tuple(2**p for p in range(4, 11))
 ActivationScheme = Literal["dynamic", "static"]
@@ -60,13 +59,6 @@ class Fp8Scheme:
     @property
     def scale_suffix(self) -> str:
         return BLOCK_SCALE_SUFFIX if self.block is not None else TENSOR_SCALE_SUFFIX
-
-    def scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
-        """The scale tensor a [rows, cols] weight needs."""
-        if self.block is None:
-            return ()
-        bn, bk = self.block
-        return (-(-rows // bn), -(-cols // bk))
 
     def lists_unconverted(self, module: str) -> bool:
         """Whether the config names ``module`` (e.g. ``model.layers.3.self_attn.o_proj``)

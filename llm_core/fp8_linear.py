@@ -120,20 +120,24 @@ def published_fp8_scheme(config: ModelConfig, block: tuple[int, int] = (128, 128
     return Fp8Scheme(block, "dynamic", tuple(f"{layer}.self_attn.o_proj" for layer in layers))
 
 
-def fp8_model_on_meta(config: ModelConfig, scheme: Fp8Scheme, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """The model with its matrices held as an FP8 checkpoint of ``scheme`` keeps
-    them (values, scale tables, scale rows), the rest in ``dtype`` and the
-    router in float32, on the meta device: resident bytes without memory."""
+def model_on_meta(config: ModelConfig, scheme: Fp8Scheme | None, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """The model as the loader holds it, on the meta device (resident bytes
+    without memory): the router float32, the rest in ``dtype``, but with
+    ``scheme`` its matrices as an FP8 checkpoint of it keeps them (values,
+    scale tables, scale rows)."""
     from llm_core.layers import RoutedExperts, TopKRouter
     from llm_core.model import MiMoV2ForCausalLM
 
-    assert scheme.block is not None, "a block-quantized scheme"
-    rows, group = scheme.block
     with torch.device("meta"):
         model = MiMoV2ForCausalLM(config).to(dtype)
         for module in model.modules():
             if isinstance(module, TopKRouter):
                 module.float()
+    if scheme is None:
+        return model
+    assert scheme.block is not None, "a block-quantized scheme"
+    rows, group = scheme.block
+    with torch.device("meta"):
         for name, module in list(model.named_modules()):
             owner_name, _, attr = name.rpartition(".")
             if isinstance(module, nn.Linear):

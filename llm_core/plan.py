@@ -89,18 +89,9 @@ def weight_bytes(config: ModelConfig, weights: str = "fp8") -> WeightBytes:
     the meta device: "fp8" as the published checkpoints are (FP8 matrices with
     their scale tables, o_proj and the small tensors BF16, the router float32),
     "bf16" as a BF16 checkpoint (router float32)."""
-    from llm_core.fp8_linear import fp8_model_on_meta, published_fp8_scheme
-    from llm_core.layers import TopKRouter
-    from llm_core.model import MiMoV2ForCausalLM
+    from llm_core.fp8_linear import model_on_meta, published_fp8_scheme
 
-    if weights == "fp8":
-        model = fp8_model_on_meta(config, published_fp8_scheme(config))
-    else:
-        with torch.device("meta"):
-            model = MiMoV2ForCausalLM(config).to(torch.bfloat16)
-            for module in model.modules():
-                if isinstance(module, TopKRouter):
-                    module.float()
+    model = model_on_meta(config, published_fp8_scheme(config) if weights == "fp8" else None)
     routed = replicated = 0
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         nbytes = tensor.numel() * tensor.element_size()

@@ -41,6 +41,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 QuantizationMode = Literal["auto", "fp8", "none"]
 QUANTIZATION_MODES = ("auto", "fp8", "none")
 # Parameters kept in float32 whatever the model dtype (the router decides ties).
-_FLOAT32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+FLOAT32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 _KNOWN_EXTRAS = re.compile(r"\.rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 _LLM_NAMES = re.compile(r"^(model\.(layers|mtp|embed_tokens|norm)\.|lm_head\.)")
 _TOWER_CONFIGS = ("vision_config", "audio_config")
@@ -234,6 +235,8 @@ def _read(reader: CheckpointReader, pieces: tuple[Piece, ...]) -> Matrix:
     """A model matrix from its pieces: FP8 (values exact, scales gathered) when
     every piece is, else float32 (or the stored float dtype)."""
     fp8 = [_checked_fp8(reader, piece) for piece in pieces]
+    # One scale table per distinct source, read once (the chunks of a fused projection share theirs).
+    tables: dict[tuple[str, int | None], tuple[torch.Tensor, int]] = {}
     parts: list[Matrix] = []
     for piece, is_fp8 in zip(pieces, fp8):
         whole = piece.rows == range(piece.shape[0]) and piece.expert is None
@@ -241,21 +244,18 @@ def _read(reader: CheckpointReader, pieces: tuple[Piece, ...]) -> Matrix:
         if not is_fp8:
             parts.append(Matrix(values))
             continue
-        table, group = reader.read_scale_table(piece.name, *piece.shape, piece.chunks, piece.expert, piece.experts)
+        key = (piece.name, piece.expert)
+        if key not in tables:
+            tables[key] = reader.read_scale_table(piece.name, *piece.shape, piece.chunks, piece.expert, piece.experts)
+        table, group = tables[key]
         parts.append(Matrix(values, table, reader.scale_rows(piece.rows, piece.shape[0], piece.chunks), group))
     if len(parts) == 1:
         return parts[0]
     if not all(fp8) or len({part.group_k for part in parts}) > 1:
         return Matrix(torch.cat([part.dense() for part in parts]))
-    # One table per distinct source (the q, k and v pieces of a fused
-    # projection share theirs), its rows' indices shifted past the earlier ones.
-    tables: dict[tuple[str, int | None], tuple[torch.Tensor, int]] = {}
-    rows = []
-    for piece, part in zip(pieces, parts):
-        key = (piece.name, piece.expert)
-        if key not in tables:
-            tables[key] = (part.scale, sum(t.shape[0] for t, _ in tables.values()))  # type: ignore[misc]
-        rows.append(part.scale_row + tables[key][1])  # type: ignore[operator]
+    # The distinct tables end to end; each piece's rows shifted past the tables before its own.
+    first_row = dict(zip(tables, accumulate((t.shape[0] for t, _ in tables.values()), initial=0)))
+    rows = [part.scale_row + first_row[(piece.name, piece.expert)] for piece, part in zip(pieces, parts)]
     return Matrix(torch.cat([part.values for part in parts]), torch.cat([t for t, _ in tables.values()]),
                   torch.cat(rows).to(torch.int32), parts[0].group_k)
 
@@ -350,7 +350,7 @@ class _Loader:
     # --------------------------------------------------------------- modules
     def _linear(self, model: nn.Module, name: str, module: nn.Linear) -> None:
         pieces = self.planner.linear(name, module.out_features, module.in_features)
-        bias = self._dense(f"{name}.bias", (module.out_features,)) if module.bias is not None else None
+        bias = self.reader.read_dense(f"{name}.bias", (module.out_features,)) if module.bias is not None else None
         if self._fp8_wanted(name, pieces):
             matrix = self._as_fp8(_read(self.reader, pieces))
             assert matrix.scale is not None and matrix.scale_row is not None
@@ -410,11 +410,8 @@ class _Loader:
         source = name
         if name.endswith("self_attn.sinks") and name not in self.reader:
             source = name.removesuffix("sinks") + "attention_sink_bias"
-        dtype = torch.float32 if name.endswith(_FLOAT32_SUFFIXES) else self.dtype
-        setattr(owner, attr, self._place(self._dense(source, shape), dtype))
-
-    def _dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return self.reader.read_dense(name, shape)
+        dtype = torch.float32 if name.endswith(FLOAT32_SUFFIXES) else self.dtype
+        setattr(owner, attr, self._place(self.reader.read_dense(source, shape), dtype))
 
     def _kv_scales(self, attention: Attention, name: str) -> None:
         """The checkpoint's KV-cache scales for this layer, 1.0 where it has none."""
@@ -425,10 +422,8 @@ class _Loader:
                     value = _positive_scalar(self.reader, candidate)
                     break
             setattr(attention, attr, torch.tensor(value, dtype=torch.float32, device=self.device))
-        for extra in (f"{name}.kv_scale", *(f"{name}.{p}.input_scale" for p in ("q_proj", "k_proj", "v_proj",
-                                                                                 "o_proj", "qkv_proj"))):
-            if extra in self.reader:
-                _positive_scalar(self.reader, extra)
+        if f"{name}.kv_scale" in self.reader:  # beside k_scale and v_scale of their own: checked all the same
+            _positive_scalar(self.reader, f"{name}.kv_scale")
 
 
 def describe_weights(model: nn.Module, model_dir: str | Path, quantization: QuantizationMode) -> dict[str, Any]:
@@ -463,8 +458,8 @@ def _check_accounted(reader: CheckpointReader, config: ModelConfig, layout: Chec
     """Every tensor was read, or is a documented extra (module docstring)."""
     for name in reader.unused():
         if name.endswith(".input_scale") and reader.fp8 is not None:
-            _positive_scalar(reader, name)
-    unused = [name for name in reader.unused() if not _known_extra(name, config, layout, reader)]
+            _positive_scalar(reader, name)  # read, so accounted for
+    unused = [name for name in reader.unused() if not _known_extra(name, config, layout)]
     extra_mtp = sorted({int(n.split(".")[3]) for n in reader.unused() if _beyond_mtp_depth(n, config)})
     if extra_mtp:
         log.info("checkpoint %s has MTP layers %s past num_nextn_predict_layers=%d: not loaded", reader.model_dir,
@@ -480,10 +475,8 @@ def _beyond_mtp_depth(name: str, config: ModelConfig) -> bool:
     return name.startswith("model.mtp.layers.") and parts[3].isdigit() and int(parts[3]) >= config.num_mtp_layers
 
 
-def _known_extra(name: str, config: ModelConfig, layout: CheckpointLayout, reader: CheckpointReader) -> bool:
+def _known_extra(name: str, config: ModelConfig, layout: CheckpointLayout) -> bool:
     if _KNOWN_EXTRAS.search(name) or _beyond_mtp_depth(name, config):
-        return True
-    if name.endswith(".input_scale") and reader.fp8 is not None:
         return True
     return layout.has_towers and not _LLM_NAMES.match(name)
 
@@ -518,5 +511,5 @@ def save_tensors(tensors: dict[str, torch.Tensor], model_dir: str | Path, max_sh
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-__all__ = ["QUANTIZATION_MODES", "CheckpointError", "CheckpointReader", "ConfigError", "INDEX_FILE", "SINGLE_FILE",
+__all__ = ["FLOAT32_SUFFIXES", "QUANTIZATION_MODES", "CheckpointError", "CheckpointReader", "ConfigError", "INDEX_FILE", "SINGLE_FILE",
            "describe_weights", "fp8_resident", "load_model", "read_config", "save_model", "save_tensors"]

@@ -337,7 +337,7 @@ class WorkerService:
             request = m.PrefillRequest(ticket.transfer_id, submit.prefill_incarnation, submit.prompt_ids,
                                        submit.spans, submit.sampling, m.Ticket(*_ticket_fields(ticket)),
                                        self.llm.engine.config.page_size, self.llm.engine.config.swa_mode,
-                                       self.llm.engine.kv_layout())
+                                       self.llm.engine.kv_layout)
             if not await _send_when_connected(sock, request, min(CONNECT_WAIT_S, deadline - time.monotonic())):
                 log.warning("prefill worker %s is not connected; prefilling here", submit.prefill_by)
                 return None
@@ -420,9 +420,9 @@ class WorkerService:
         if (request.page_size, request.swa_mode) != (config.page_size, config.swa_mode):
             raise ValueError(f"KV layouts differ: the decode worker pages by {request.page_size} "
                              f"({request.swa_mode}), this one by {config.page_size} ({config.swa_mode})")
-        if request.kv_layout != self.llm.engine.kv_layout():
+        if request.kv_layout != self.llm.engine.kv_layout:
             raise ValueError(f"KV layouts differ: the decode worker stores {request.kv_layout}, this one "
-                             f"{self.llm.engine.kv_layout()}")
+                             f"{self.llm.engine.kv_layout}")
         params, prompt, spans = await self._request(request.sampling, request.prompt_ids, request.spans)
         stream = await self.engine.open_export(prompt, params, spans)
         last: StreamEvent | None = None

@@ -148,7 +148,7 @@ def test_pages_of_one_kv_dtype_are_never_read_as_another(hf_checkpoint: Path) ->
     fp8 = LLM(hf_checkpoint, kv_cache_dtype="fp8_e4m3", **options).engine
     bf16 = LLM(hf_checkpoint, kv_cache_dtype="bf16", **options).engine
     assert fp8.fingerprint != bf16.fingerprint
-    assert fp8.kv_layout().startswith("kv=torch.float8_e4m3fn;scales=")
+    assert fp8.kv_layout.startswith("kv=torch.float8_e4m3fn;scales=")
 
 
 def test_fp8_pages_restored_from_host_and_disk_match_recompute(hf_checkpoint: Path, tmp_path: Path,
@@ -175,7 +175,7 @@ def test_fp8_kv_crosses_a_disaggregated_transfer(hf_checkpoint: Path) -> None:
     together = [o.token_ids for o in LLM(hf_checkpoint, **options).generate(batch, PARAMS)]
     assert disaggregated(prefill_llm, decode_llm, batch, PARAMS) == together
     bf16 = LLM(hf_checkpoint, **{**options, "kv_cache_dtype": "bf16"})
-    assert prefill_llm.engine.kv_layout() != bf16.engine.kv_layout()  # a worker refuses the other's transfers
+    assert prefill_llm.engine.kv_layout != bf16.engine.kv_layout  # a worker refuses the other's transfers
 
 
 def test_checkpoint_kv_scales_reach_the_pools(tmp_path: Path) -> None:
