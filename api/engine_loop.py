@@ -151,6 +151,7 @@ class AsyncEngine:
         self._pending = 0  # touched on the event loop only
         self._live: dict[int, _Handle] = {}  # engine thread only
         self._broken: str | None = None  # why the engine could not be rebuilt (engine thread only)
+        self._staged: list[tuple[_Handle, Any]] = []  # engine thread: this step's deliveries, posted together
         self._stats: dict[str, Any] = llm.stats()
         self._last_stats = 0.0
         self._thread = threading.Thread(target=self._run, name="swallow-engine", daemon=True)
@@ -244,6 +245,10 @@ class AsyncEngine:
         finally:
             await stream.aclose()
 
+    async def current_stats(self) -> dict[str, Any]:
+        """The engine's stats now, taken between steps (``stats`` is the last snapshot)."""
+        return await self.call(lambda llm: llm.stats())
+
     async def flush_cache(self) -> dict[str, Any]:
         """Drop every cached prefix no running request holds; the engine's stats after."""
         loop = asyncio.get_running_loop()
@@ -309,7 +314,9 @@ class AsyncEngine:
                     continue
                 for event in self.llm.step():
                     self._deliver(event)  # inside: a stop string's abort is engine work too
+                self._post_staged()
             except Exception as exc:  # noqa: BLE001 - no request explains it: start over
+                self._post_staged()
                 log.exception("engine step failed; every request in flight is lost and the engine is rebuilt")
                 self._fail_all(EngineUnavailable(f"the engine failed ({type(exc).__name__}: {exc}); retry"))
                 self._restart()
@@ -392,7 +399,21 @@ class AsyncEngine:
                 item = replace(item, exported=self.llm.take_export(event.request_id))
             if event.finish_reason is None:  # ended by its text: free its KV now, before the next step
                 self.llm.abort(event.request_id)
-        self._post(handle, item)
+        self._staged.append((handle, item))
+
+    def _post_staged(self) -> None:
+        """The step's deliveries, one callback per event loop: every stream
+        the step advanced wakes in the same loop turn (a worker sends them as
+        one frame)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Handle, Any]]] = {}
+        for handle, item in self._staged:
+            by_loop.setdefault(handle.loop, []).append((handle, item))
+        self._staged = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_settle, items)
+            except RuntimeError:
+                pass  # that event loop is gone
 
     @staticmethod
     def _outcome(handle: _Handle, event: TokenEvent) -> StreamEvent | RequestFailed:
@@ -431,6 +452,7 @@ class AsyncEngine:
 
     @staticmethod
     def _post(handle: _Handle, item: Any) -> None:
+        """One item at once (admissions, refusals, failures: not a step's tokens)."""
         try:
             handle.loop.call_soon_threadsafe(handle.events.put_nowait, item)
         except RuntimeError:
@@ -449,3 +471,8 @@ class AsyncEngine:
                 self._on_step(self._stats)
             except Exception:  # noqa: BLE001 - metrics must never stop the engine
                 log.exception("engine stats callback failed")
+
+
+def _settle(items: list[tuple[_Handle, Any]]) -> None:
+    for handle, item in items:
+        handle.events.put_nowait(item)

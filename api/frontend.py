@@ -58,6 +58,9 @@ class EngineClient(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
+    async def current_stats(self) -> dict[str, Any]:
+        """``stats`` as of now: every request answered so far is counted."""
+
     async def open(
         self,
         prompt_ids: list[int],

@@ -11,15 +11,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-__all__ = ["RunningServer", "RunningStack", "ServerStartError", "StackRole", "free_port", "launch_server",
-           "launch_stack"]
+__all__ = ["RunningServer", "RunningStack", "ServerStartError", "StackRole", "free_port", "launch_command",
+           "launch_server", "launch_stack"]
 
 LOCALHOST = "127.0.0.1"
 
@@ -57,9 +57,24 @@ def launch_server(
     port = free_port()
     argv = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir), "--host", LOCALHOST,
             "--port", str(port), "--log-level", log_level, *extra_args]
+    with launch_command(argv, port, env=env, startup_timeout_s=startup_timeout_s) as server:
+        yield server
+
+
+@contextmanager
+def launch_command(
+    argv: Sequence[str],
+    port: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    startup_timeout_s: float = 120.0,
+    log_prefix: str = "swallow-serve-",
+) -> Iterator[RunningServer]:
+    """Any HTTP server command listening on localhost ``port`` (another engine's
+    too, for a side-by-side benchmark), yielded once its /health answers 200."""
     # A file, not a pipe: nobody reads the output while the server runs, and a full
     # pipe would block the server mid-request once it logs more than the pipe holds.
-    with tempfile.NamedTemporaryFile("w+", prefix="swallow-serve-", suffix=".log", delete=False) as log:
+    with tempfile.NamedTemporaryFile("w+", prefix=log_prefix, suffix=".log", delete=False) as log:
         log_path = Path(log.name)
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 env=dict(env) if env is not None else None)

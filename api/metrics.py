@@ -90,6 +90,9 @@ class ServerMetrics:
         )
         # A gauge, not a counter: it mirrors the engine's own running total.
         self.preemptions = Gauge("swallow_preemptions", "Requests preempted by the scheduler since start", registry=r)
+        self.recompiles = Counter("swallow_recompiles", "Graphs compiled after the engine reported ready "
+                                  "(0 when the warm-up covered every shape serving met)", registry=r)
+        self._recompiles_seen = 0
         self.weights_bytes = Gauge("swallow_weights_resident_bytes", "Bytes the model's weights take on the device",
                                    registry=r)
         # Gauges mirroring the engine's running totals, one series per draft position.
@@ -211,6 +214,12 @@ class ServerMetrics:
         self.waiting.set(waiting)
         self.running.set(running)
 
+    def _mirror_recompiles(self, seen: int) -> None:
+        """The engine's count as a counter: what it added since last time (all
+        of it after a restarted engine, whose count starts over)."""
+        self.recompiles.inc(seen - self._recompiles_seen if seen >= self._recompiles_seen else seen)
+        self._recompiles_seen = seen
+
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         """Mirror `LLM.stats()`: KV pools, prefix cache, queue depth, preemptions."""
         pools = {key.removesuffix("_pool"): pool for key, pool in stats.items()
@@ -233,6 +242,8 @@ class ServerMetrics:
             self._set_schedule(schedule)
         self.set_queue_depth(stats.get("waiting_requests", 0), stats.get("running_requests", 0))
         self.preemptions.set(stats.get("preemptions", 0))
+        if compiled := stats.get("compile"):
+            self._mirror_recompiles(int(compiled.get("recompiles_after_ready") or 0))
         if weights := stats.get("weights"):
             self.weights_bytes.set(weights.get("resident_bytes", 0))
         if routing := stats.get("routing"):

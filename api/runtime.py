@@ -19,13 +19,14 @@ from api.frontend import MediaEmbedding
 from api.metrics import ServerMetrics
 from embedding_cache import Embedding, MediaEmbedder, MediaEmbedderConfig, SharedEmbeddingStore
 from encoders import BatcherConfig, EncoderBatcher
-from encoders.multimodal_checkpoint import load_encoders, placeholder_token_ids
+from encoders.multimodal_checkpoint import encoder_kinds, load_encoders, placeholder_token_ids
 from llm_core import LLM
 from llm_core.chat import ChatTemplate
 from llm_core.tokenizer import Tokenizer
 from media import VIDEO_PREPROCESS, MediaLimits, VisionPreprocessConfig
 
-__all__ = ["LocalEmbedder", "ServerOptions", "ServingModel", "embed_media", "media_config", "media_kinds"]
+__all__ = ["LocalEmbedder", "LocalMedia", "ServerOptions", "ServingModel", "build_media", "embed_media", "media_config",
+           "media_kinds"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -104,9 +105,37 @@ class LocalEmbedder:
         return MediaEmbedding(emb.kind, emb.key, emb.num_tokens, emb.cached, emb.tensor)
 
 
+@dataclass
+class LocalMedia:
+    """A multimodal checkpoint's encoders in this process: batched across
+    requests, writing embeddings into a shared-memory store."""
+
+    batcher: EncoderBatcher
+    media_embedder: MediaEmbedder
+    embedder: LocalEmbedder
+
+    async def aclose(self) -> None:
+        await self.batcher.aclose()
+        self.media_embedder.close()
+
+
+def build_media(model_dir: Path, store: SharedEmbeddingStore, options: ServerOptions,
+                metrics: ServerMetrics | None, device: str, dtype: str) -> LocalMedia | None:
+    """The checkpoint's encoders over ``store``; None for a text-only one."""
+    encoders = load_encoders(model_dir, dtype=_DTYPES[dtype], device=device)
+    if not encoders:
+        return None
+    on_batch = metrics.observe_encoder_batch if metrics is not None else None
+    batcher = EncoderBatcher(encoders, BatcherConfig(), on_batch=on_batch)
+    limits = MediaLimits(max_file_bytes=options.max_upload_bytes)
+    media_embedder = MediaEmbedder(batcher, store, media_config(model_dir, limits))
+    return LocalMedia(batcher, media_embedder, LocalEmbedder(media_embedder))
+
+
 class ServingModel:
-    """The model a server answers with, all in this process. Create inside the
-    running event loop."""
+    """The model a server answers with, all in this process (the engine on a
+    thread: ``swallow serve --engine-core thread``). Create inside the running
+    event loop."""
 
     def __init__(
         self,
@@ -129,22 +158,20 @@ class ServingModel:
         on_step = metrics.set_engine_stats if metrics is not None else None
         self.engine = AsyncEngine(self.llm, max_pending=options.max_pending_requests, on_step=on_step)
         self.store: SharedEmbeddingStore | None = None
-        self.batcher: EncoderBatcher | None = None
-        self.media_embedder: MediaEmbedder | None = None
-        self.embedder: LocalEmbedder | None = None
-        encoders = load_encoders(self.model_dir, dtype=_DTYPES[dtype], device=device)
-        if encoders:
-            self._start_media(encoders)
+        self.media: LocalMedia | None = None
+        if encoder_kinds(self.model_dir):
+            name = options.embedding_cache_name or f"swallow-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self._own_store = options.embedding_cache_name is None
+            self.store = SharedEmbeddingStore.open(name, options.embedding_cache_bytes)
+            self.media = build_media(self.model_dir, self.store, options, metrics, device, dtype)
 
-    def _start_media(self, encoders: dict[str, Any]) -> None:
-        name = self.options.embedding_cache_name or f"swallow-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._own_store = self.options.embedding_cache_name is None
-        self.store = SharedEmbeddingStore.open(name, self.options.embedding_cache_bytes)
-        on_batch = self.metrics.observe_encoder_batch if self.metrics is not None else None
-        self.batcher = EncoderBatcher(encoders, BatcherConfig(), on_batch=on_batch)
-        limits = MediaLimits(max_file_bytes=self.options.max_upload_bytes)
-        self.media_embedder = MediaEmbedder(self.batcher, self.store, media_config(self.model_dir, limits))
-        self.embedder = LocalEmbedder(self.media_embedder)
+    @property
+    def batcher(self) -> EncoderBatcher | None:
+        return self.media.batcher if self.media is not None else None
+
+    @property
+    def embedder(self) -> LocalEmbedder | None:
+        return self.media.embedder if self.media is not None else None
 
     @property
     def media_kinds(self) -> frozenset[str]:
@@ -178,10 +205,8 @@ class ServingModel:
     async def aclose(self) -> None:
         self.engine.close()
         self.llm.close()
-        if self.batcher is not None:
-            await self.batcher.aclose()
-        if self.media_embedder is not None:
-            self.media_embedder.close()
+        if self.media is not None:
+            await self.media.aclose()
         if self.store is not None:
             self.store.close()
             if self._own_store:

@@ -577,23 +577,28 @@ class CompletionService:
             tokens: list[int] = []
             logprobs = _LegacyLogprobs(self.chat.token_text)
             offset = 0
+            # Every token goes out as it comes, its text when there is some: a
+            # client counting tokens (or a model without a tokenizer) never waits
+            # for a character to complete.
             async for event in self.chat.events(gen):
                 tokens.append(event.token)
                 logprobs.add(event, offset)
                 offset += len(event.text)
-                if event.text or event.finish_reason is not None:
-                    yield i, event.text, event.finish_reason, tokens, logprobs.as_dict()
-                    tokens = []
-                    logprobs = _LegacyLogprobs(self.chat.token_text)
+                yield i, event.text, event.finish_reason, tokens, logprobs.as_dict()
+                tokens = []
+                logprobs = _LegacyLogprobs(self.chat.token_text)
 
         counts = [0] * len(gens)
+        envelope = _completion_envelope(self.chat.model.name)  # one id for the whole stream
+        sources = [pieces(i, gen) for i, gen in enumerate(gens)]
         try:
-            async with contextlib.aclosing(_interleaved([pieces(i, gen) for i, gen in enumerate(gens)])) as items:
+            # One choice needs no interleaving (and none of its per-token hops).
+            async with contextlib.aclosing(sources[0] if len(sources) == 1 else _interleaved(sources)) as items:
                 async for i, delta, finish, new_tokens, logprobs in items:
                     counts[i] += len(new_tokens)
                     choice = {"index": i, "text": delta, "token_ids": new_tokens, "logprobs": logprobs,
                               "finish_reason": finish}
-                    yield _sse(_completion_envelope(self.chat.model.name) | {"choices": [choice]})
+                    yield _sse(envelope | {"choices": [choice]})
         except (RequestFailed, EngineUnavailable) as exc:
             yield _sse_error(exc)
         finally:
@@ -601,7 +606,7 @@ class CompletionService:
                 await gen.stream.aclose()
         if include_usage:
             usage = _usage(_prompt_tokens(gens, n), sum(counts))
-            yield _sse(_completion_envelope(self.chat.model.name) | {"choices": [], "usage": usage})
+            yield _sse(envelope | {"choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
 
 
@@ -800,7 +805,7 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
         return JSONResponse(spec)
 
     async def engine_stats(_: Request) -> Response:
-        return JSONResponse(model.engine.stats() | {"pending_requests": model.engine.pending})
+        return JSONResponse(await model.engine.current_stats() | {"pending_requests": model.engine.pending})
 
     async def flush_cache(_: Request) -> Response:
         return JSONResponse({"flushed": True, "stats": await model.engine.flush_cache()})
@@ -817,11 +822,11 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None) -> Starlet
         return JSONResponse({"object": "list", "data": [card]})
 
     async def prometheus(_: Request) -> Response:
-        metrics.set_engine_stats(model.engine.stats())
+        metrics.set_engine_stats(await model.engine.current_stats())
         return Response(metrics.render(), media_type=metrics.content_type)
 
     async def metrics_summary(_: Request) -> Response:
-        metrics.set_engine_stats(model.engine.stats())
+        metrics.set_engine_stats(await model.engine.current_stats())
         return JSONResponse(metrics.summary())
 
     # The page's sample clips, pictures and sounds: rendered on first request, off the event loop.

@@ -13,7 +13,7 @@ import torch
 
 from llm_core.block_table import BlockTable
 from llm_core.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from llm_core.device import to_device
+from llm_core.device import column, to_device
 from llm_core.expert_parallel import ExpertParallelError
 from llm_core.fp8 import FP8_DTYPE
 from llm_core.disagg import KVReservation, PrefilledKV, SequenceKVPacker
@@ -36,7 +36,7 @@ from llm_core.kv_store import DiskKVStore, HostKVPool
 from llm_core.kv_tiers import KVTiers, TierConfig, model_fingerprint
 from llm_core.schedule_policy import LengthBuckets
 from llm_core.kv_transfer import RESTORE_BUCKETS, EngineTierIO, model_weights_digest
-from llm_core.prefix_cache import CacheLock, RadixCache
+from llm_core.prefix_cache import CacheLock, CacheStats, RadixCache
 from llm_core.grammar import GrammarCompiler, GrammarMatcher
 from llm_core.sampling import (
     SamplingParams,
@@ -386,7 +386,8 @@ class Engine:
         self._extend_hidden = compiled(extend_hidden) if config.compile else extend_hidden
         self.graphs = self._capture_graphs()
         self.drafter = MTPDrafter(model, self.kv, self.window, k, self.attention_fn, self.decode_attention_fn, device,
-                                  compiled(mtp_layer_forward) if config.compile else mtp_layer_forward) if k else None
+                                  compiled(mtp_layer_forward) if config.compile else mtp_layer_forward) \
+            if k else None
         self.spec_stats = SpeculativeStats(k)
         # Drafts waiting for the next step's verification: tokens [k] and, for
         # requests that sample, the distributions they were drawn from [k, vocab].
@@ -1038,6 +1039,9 @@ class Engine:
         backend = PagedAttentionBackend(self.kv, full_batch, swa_batch, self.attention_fn, before_layer=gate)
         input_ids = self._with_drafts(chunks, to_device(torch.tensor(tokens, dtype=torch.long), self.device))
         inputs_embeds = self._embed_with_spans(chunks, input_ids) if self._spans else None
+        if inputs_embeds is None and self.config.compile:
+            # A compiled extend always takes embeddings: one graph whether or not a batch has media rows.
+            inputs_embeds = self.model.model.embed_tokens(input_ids)
         return StepInputs(input_ids, full_batch.q_pos, backend, inputs_embeds)
 
     def prepare_decode(self, chunks: list[ScheduledChunk]) -> StepInputs:
@@ -1060,14 +1064,17 @@ class Engine:
         meta = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         # Fields as tensors of their own (not views at offsets of one), so the
         # compiled forward sees the same strides and offsets at every step.
-        ids, positions, full_write, swa_len, swa_write = (meta[:, i].clone() for i in range(5))
+        ids, positions, full_write, swa_len, swa_write = (column(meta, i) for i in range(5))
         ids = self._with_drafts(chunks, ids)
         widest = -(-max(chunk.start + chunk.rows for chunk in chunks) // self.allocator.full.page_size)
+        # At least two page columns (the kernels read only a request's own
+        # pages): a width of 1 would be a compiled graph of its own.
+        widest = max(widest, min(2, self.block_table.width))
         batch = DecodeBatch(
             positions=positions,
             full_pages=self.block_table.table[meta[:, -1], :widest],
             full_write=full_write,
-            swa_slots=meta[:, 5:-1].clone(),
+            swa_slots=meta[:, 5:-1].clone(memory_format=torch.contiguous_format),
             swa_len=swa_len,
             swa_write=swa_write,
             page_size=self.allocator.full.page_size,
@@ -1138,6 +1145,13 @@ class Engine:
                 "restore_seconds_counts": list(io.restore_seconds), "restore_seconds_sum": io.restore_seconds_sum,
                 "checksum_failures": io.host.checksum_failures
                 + (io.disk.checksum_failures + io.disk.missing + io.disk.scan_dropped if io.disk is not None else 0)}
+
+    def reset_stats(self) -> None:
+        """Counters from now on (a warm-up's requests are not the server's)."""
+        self.spec_stats = SpeculativeStats(self.num_speculative)
+        self.scheduler.reset_stats()
+        if self.cache is not None:
+            self.cache.stats = CacheStats()
 
     def flush_cache(self) -> None:
         """Drop every cached prefix no running request holds."""

@@ -19,6 +19,7 @@ from llm_core.kv_events import KVEventLog
 from llm_core.multimodal import MultimodalSpan, check_spans
 from llm_core.sampling import SamplingParams
 from llm_core.tokenizer import TOKENIZER_FILE, Tokenizer
+from llm_core.warmup import CompileCounter, warm_up
 from llm_core.weights import QUANTIZATION_MODES, QuantizationMode, describe_weights, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,7 +54,8 @@ class LLM:
         ``swa_mode``, ``max_running_requests``, ``max_num_batched_tokens``,
         ``chunked_prefill_size``, ``page_size``, ``attention``,
         ``enable_prefix_caching``, ``checkpoint_interval``, ``compile``
-        (torch.compile the decode and extend forwards),
+        (torch.compile the decode and extend forwards; every graph is
+        compiled here, by a warm-up, so no request waits for one),
         ``cuda_graph_max_batch`` (CUDA graphs of decode batches up to it),
         ``speculative_tokens`` (MTP drafts verified per step; default one per
         MTP layer of the checkpoint, 0 turns speculative decoding off) and
@@ -89,6 +91,7 @@ class LLM:
                                                 quantization=quantization)
             ep = self._ep_local.ep
         self.ep = ep
+        self.compiles = CompileCounter()
         try:
             self._build(DTYPES[dtype], engine_config)
         except BaseException:
@@ -111,6 +114,9 @@ class LLM:
             if failed := handshake(self.ep, True):
                 raise ExpertParallelError(f"expert-parallel ranks {failed} could not build their engine "
                                           "(see their log)")
+        # A compiled engine compiles every graph it will use now, not under its first requests.
+        self.warmup = warm_up(self) if engine_config.compile and self._ep_leader is None else None
+        self.compiles.mark_ready()
 
     def close(self) -> None:
         """Finish the KV tiers' disk writes (a later process over the same
@@ -223,7 +229,9 @@ class LLM:
         return self._ep_leader.abort(request_id) if self._ep_leader is not None else self.engine.abort(request_id)
 
     def stats(self) -> dict[str, Any]:
-        stats = self.engine.stats() | {"weights": self.weights}
+        compile_stats = {"enabled": self.engine.config.compile, "recompiles_after_ready": self.compiles.after_ready,
+                         "warmup": self.warmup.as_dict() if self.warmup is not None else None}
+        stats = self.engine.stats() | {"weights": self.weights, "compile": compile_stats}
         if self.ep is not None:
             stats["expert_parallel"] = {"size": self.ep.size, "rank": self.ep.rank, **self.ep.stats.as_dict()}
         return stats

@@ -184,9 +184,13 @@ class Scheduler:
         self.clock = clock
         self.waiting = RequestQueue()
         self.running = RequestQueue()
-        self.num_preemptions = 0
         self._steps = 0
         self.buckets = LengthBuckets(config.bucket_edges)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Preemptions and latencies counted from now (after a warm-up)."""
+        self.num_preemptions = 0
         self.queue_wait = [LatencyHistogram() for _ in range(len(self.buckets))]
         self.ttft = [LatencyHistogram() for _ in range(len(self.buckets))]
 

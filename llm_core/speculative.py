@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from llm_core.attention import AttentionBackend
-from llm_core.device import to_device
+from llm_core.device import column, to_device
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.multimodal import MultimodalSpan
 from llm_core.paged_attention import (
@@ -231,12 +231,12 @@ class MTPDrafter:
         """Rows of a few tokens each as one-query rows of a ``DecodeBatch`` (the
         decode kernels), from [position, write slot, key count, key slots...]."""
         meta = to_device(torch.tensor(row_keys, dtype=torch.int64), self.device)
-        positions, write_slots, key_count = (meta[:, i].clone() for i in range(3))
+        positions, write_slots, key_count = (column(meta, i) for i in range(3))
         batch = DecodeBatch(
             positions=positions,
             full_pages=meta.new_zeros(meta.shape[0], 1, dtype=torch.int32),  # MTP layers read the SWA pool only
             full_write=write_slots,
-            swa_slots=meta[:, 3:].clone(),
+            swa_slots=meta[:, 3:].clone(memory_format=torch.contiguous_format),
             swa_len=key_count,
             swa_write=write_slots,
             page_size=self.kv.page_size,

@@ -94,10 +94,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:  # llm_core is not importable in vLLM's venv, where `run` goes
+    from llm_core.config import ModelConfig
 
 NUM_REQUESTS = 32
 SEED = 0
@@ -205,6 +209,17 @@ def _vllm_tensors(src: Path, cfg) -> dict[str, torch.Tensor]:  # noqa: ANN001 - 
     return out
 
 
+def export_checkpoint(original: Path, config: ModelConfig, out_dir: Path, hub_window: bool = False) -> Path:
+    """Swallow's checkpoint ``original`` (of llm_core ``config``) in vLLM's form, in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf = json.loads((original / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps(_vllm_config(hf, hub_window), indent=2))
+    save_file(_vllm_tensors(original, config), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if (original / "tokenizer.json").exists():  # not used by `run`; there for a person's curiosity
+        shutil.copy(original / "tokenizer.json", out_dir / "tokenizer.json")
+    return out_dir
+
+
 def export(out_dir: Path, hub_window: bool, skip_swallow: bool) -> None:
     from llm_core.bench.throughput import best_of, make_workload, run_swallow
     from llm_core.checkpoint import write_random_checkpoint
@@ -213,11 +228,7 @@ def export(out_dir: Path, hub_window: bool, skip_swallow: bool) -> None:
     config = tiny()
     out_dir.mkdir(parents=True, exist_ok=True)
     original = write_random_checkpoint(out_dir / "swallow", config, seed=SEED)
-    hf = json.loads((original / "config.json").read_text())
-    (out_dir / "config.json").write_text(json.dumps(_vllm_config(hf, hub_window), indent=2))
-    save_file(_vllm_tensors(original, config), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    if (original / "tokenizer.json").exists():  # not used by `run`; there for a person's curiosity
-        shutil.copy(original / "tokenizer.json", out_dir / "tokenizer.json")
+    export_checkpoint(original, config, out_dir, hub_window)
 
     prompts, out_lens = make_workload(NUM_REQUESTS, config.vocab_size, SEED)
     workload: dict = {"seed": SEED, "prompts": prompts, "output_lens": out_lens}

@@ -82,7 +82,10 @@ class WorkerLinks(LinkSet[m.WorkerPong]):
             self.router.report_load(pong.worker_id, pong.queued_tokens, pong.running)
 
     def on_message(self, link: Link[m.WorkerPong], message: object) -> None:
-        if isinstance(message, m.KVEventsMsg):
+        if isinstance(message, m.StepOutputs):
+            for output in message.outputs:
+                super().on_message(link, output)
+        elif isinstance(message, m.KVEventsMsg):
             registered = self._registered.get(message.worker_id) == link.address
             if registered and link.alive and message.incarnation == link.incarnation:
                 if not self.router.apply_events(message.worker_id, message.batch()):
@@ -103,27 +106,32 @@ class WorkerLinks(LinkSet[m.WorkerPong]):
             raise ServiceDown(f"worker {worker_id} is gone; retry the request")
         return link
 
-    async def flush(self) -> list[dict[str, Any]]:
-        """Every live worker's stats after it dropped every prefix no request holds."""
+    async def flush(self, drop: bool = True) -> dict[str, dict[str, Any]]:
+        """Every live worker's stats (by its name) as of now, after it dropped
+        every prefix no request holds (``drop``)."""
         token = uuid.uuid4().hex
-        waits = []
+        waits = {}
         for link in self.alive():
             future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
             self._flushes[f"{link.address}/{token}"] = future
-            await self._send(link, m.Flush(token))
-            waits.append(future)
+            await self._send(link, m.Flush(token, drop))
+            waits[link.name] = future
         try:
-            done = await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), _FLUSH_TIMEOUT_S)
+            done = await asyncio.wait_for(asyncio.gather(*waits.values(), return_exceptions=True), _FLUSH_TIMEOUT_S)
         finally:
             for key in [k for k in self._flushes if k.endswith(token)]:
                 del self._flushes[key]
-        return [stats for stats in done if isinstance(stats, dict)]
+        return {name: stats for name, stats in zip(waits, done) if isinstance(stats, dict)}
 
 
 class RemoteEngineClient:
     """``EngineClient`` over the workers: route, submit, stream."""
 
-    def __init__(self, workers: WorkerLinks, max_pending: int, encoders: EncoderLinks | None = None) -> None:
+    def __init__(self, workers: WorkerLinks, max_pending: int, encoders: EncoderLinks | None = None,
+                 vocab_size: int | None = None) -> None:
+        """``vocab_size``: token ids in sampling parameters are checked here
+        (a 400 before they travel), not only on the worker."""
+        self.vocab_size = vocab_size
         self.workers = workers
         self.encoders = encoders
         self.router = workers.router
@@ -134,9 +142,11 @@ class RemoteEngineClient:
     def pending(self) -> int:
         return self._pending
 
-    def stats(self) -> dict[str, Any]:
-        """The live workers' stats summed (pools, cache, queues), and each one's."""
-        per_worker = {link.name: link.pong.stats for link in self.workers.alive() if link.pong is not None}
+    def stats(self, per_worker: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The live workers' stats summed (pools, cache, queues), and each one's
+        (as of their last pong, unless given)."""
+        if per_worker is None:
+            per_worker = {link.name: link.pong.stats for link in self.workers.alive() if link.pong is not None}
         encoders = {link.name: link.pong.stats for link in self.encoders.alive() if link.pong is not None} \
             if self.encoders is not None else {}
         return aggregate_stats(list(per_worker.values())) | {
@@ -144,8 +154,11 @@ class RemoteEngineClient:
             "routing": {"policy": self.router.policy, "workers": self.router.loads(),
                         "decisions": decision_counts(self.router)}}
 
+    async def current_stats(self) -> dict[str, Any]:
+        return self.stats(await self.workers.flush(drop=False))
+
     async def flush_cache(self) -> dict[str, Any]:
-        return aggregate_stats(await self.workers.flush())
+        return aggregate_stats(list((await self.workers.flush()).values()))
 
     async def open(
         self,
@@ -170,6 +183,8 @@ class RemoteEngineClient:
     ) -> AsyncGenerator[StreamEvent | None, None]:
         if self._pending >= self.max_pending:
             raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
+        if self.vocab_size is not None:
+            params.check_vocabulary(self.vocab_size)
         request_id = uuid.uuid4().hex
         try:
             decision = self.router.route(request_id, with_cache_tokens(prompt_ids, spans))
@@ -400,7 +415,8 @@ class StackFrontend:
         self.router = Router(route_policy, route_load_weight, route_max_load_ratio)
         self.workers = WorkerLinks(workers, self.router, sender)
         self.encoders = EncoderLinks(parse_peers(encoders), m.EncoderPong, sender) if encoders else None
-        self.engine = RemoteEngineClient(self.workers, options.max_pending_requests, self.encoders)
+        self.engine = RemoteEngineClient(self.workers, options.max_pending_requests, self.encoders,
+                                         self.config.vocab_size)
         self._embedder = RemoteEmbedder(self.encoders, shared_spool) if self.encoders is not None else None
         self._kinds = media_kinds(encoder_kinds(self.model_dir), self.placeholder_ids) if encoders else frozenset()
 

@@ -8,8 +8,9 @@ misreading its frames.
 
 API -> worker: ``Ping`` (liveness, and registration: a worker sends KV events
 to every API that pings it), ``Submit``, ``Abort``, ``Flush``,
-``SnapshotRequest``. Worker -> API: ``WorkerPong``, ``Admitted``,
-``Refused``, ``Tokens``, ``Failed``, ``KVEventsMsg``, ``Flushed``.
+``SnapshotRequest``. Worker -> API: ``WorkerPong``, ``KVEventsMsg``,
+``Flushed``, and ``StepOutputs``: what one engine step did for that API's
+requests (``Admitted``, ``Refused``, ``Tokens``, ``Failed``), in one frame.
 
 Disaggregation, decode worker -> prefill worker: ``PrefillRequest`` (the
 KV goes into the buffer its ticket names), ``AbortPrefill``, ``Probe``
@@ -38,10 +39,10 @@ __all__ = [
     "PROTOCOL_VERSION", "Abort", "AbortPrefill", "Admitted", "Prefilled", "PrefillFailed", "PrefillRequest",
     "Probe", "ProbeAck", "Ticket", "EmbedFailed", "EmbedMedia", "Embedded", "EncoderPong", "Failed",
     "Flush", "Flushed", "KVEventsMsg", "Message", "Ping", "ProtocolError", "Refused", "SamplingSpec",
-    "SnapshotRequest", "SpanSpec", "Submit", "Tokens", "WorkerPong", "decode", "encode",
+    "SnapshotRequest", "SpanSpec", "StepOutputs", "Submit", "Tokens", "WorkerPong", "decode", "encode",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class ProtocolError(ValueError):
@@ -167,7 +168,11 @@ class Abort(_Msg):
 
 
 class Flush(_Msg):
+    """Answered with ``Flushed``: the worker's stats as of now, after it
+    dropped every prefix no request holds (``drop``) or as they are."""
+
     token: str
+    drop: bool = True
 
 
 class SnapshotRequest(_Msg):
@@ -221,6 +226,16 @@ class Failed(_Msg):
     request_id: str
     status: int
     message: str
+
+
+RequestOutput = Admitted | Refused | Tokens | Failed
+
+
+class StepOutputs(_Msg):
+    """Everything about one API's requests since the last frame (about one
+    engine step), in order: one frame per step, not one per token."""
+
+    outputs: list[RequestOutput]
 
 
 class KVEventsMsg(_Msg):
@@ -280,7 +295,7 @@ class EncoderPong(_Msg):
 
 
 Message = (Ping | Submit | Abort | Flush | SnapshotRequest | WorkerPong | Admitted | Refused | Tokens | Failed
-           | KVEventsMsg | Flushed | EmbedMedia | Embedded | EmbedFailed | EncoderPong | PrefillRequest
+           | StepOutputs | KVEventsMsg | Flushed | EmbedMedia | Embedded | EmbedFailed | EncoderPong | PrefillRequest
            | AbortPrefill | Probe | ProbeAck | Prefilled | PrefillFailed)
 
 _encoder = msgspec.msgpack.Encoder()

@@ -82,7 +82,7 @@ def _worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(
         _model_dir(args), args.host, args.port, args.health_port, _id(args, "worker"), engine_options(args),
         args.max_pending_requests, args.embedding_cache_name, args.embedding_peers, args.embedding_node,
-        args.log_level, args.role, args.kv_transport, args.transfer_timeout)
+        args.log_level, args.role, args.kv_transport, args.transfer_timeout, args.ipc, not args.no_kv_events)
     asyncio.run(run_worker(config))
     return 0
 

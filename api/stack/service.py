@@ -65,9 +65,10 @@ class ServiceSocket:
     """A service's message socket and HTTP side, its chores, and the work it
     holds per request (tasks, cancelled when the service stops)."""
 
-    def __init__(self, host: str, port: int, health_port: int, routes: list[Route]) -> None:
+    def __init__(self, host: str, port: int, health_port: int, routes: list[Route],
+                 ipc_path: str | None = None) -> None:
         self.context = zmq.asyncio.Context()
-        self.sock = bind_router(self.context, host, port)
+        self.sock = bind_router(self.context, host, port, ipc_path)
         self.http = HttpSide(routes, host, health_port)
         self.held: dict[str, tuple[bytes, asyncio.Task[None]]] = {}  # request id -> (its API, its task)
 

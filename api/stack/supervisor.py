@@ -60,8 +60,12 @@ class _Process:
 
 
 class Supervisor:
-    def __init__(self, plan: StackPlan, store_bytes: int, log_dir: Path | None = None) -> None:
+    def __init__(self, plan: StackPlan, store_bytes: int, log_dir: Path | None = None,
+                 announce: bool = True) -> None:
+        """``announce``: print where the stack serves once it is up (not for
+        `serve`'s engine core, whose API says that itself)."""
         self.plan = plan
+        self.announce = announce
         self.store_bytes = store_bytes
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="swallow-stack-"))
         self.processes = [_Process(role) for role in plan.roles]
@@ -90,6 +94,8 @@ class Supervisor:
                 self._wait_healthy([p for p in self.processes if p.plan.role != "api"])
             self._spawn(process)
         self._wait_healthy(self.processes)
+        if not self.announce:
+            return
         lines = [f"Swallow stack is serving at {self.plan.url} ({self._summary()}, embedding store "
                  f"{self.plan.store_name}); logs in {self.log_dir}"]
         for process in self.processes:

@@ -37,13 +37,13 @@ _HIGH_WATER_MARK = 100_000
 class PeerSpec:
     """One entry of a peer list: a fixed address, or a DNS name and port."""
 
-    scheme: str  # "tcp" | "dns"
-    host: str
+    scheme: str  # "tcp" | "dns" | "ipc"
+    host: str  # for "ipc": the socket's path
     port: int
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        return f"ipc://{self.host}" if self.scheme == "ipc" else f"tcp://{self.host}:{self.port}"
 
 
 def parse_peers(text: str) -> list[PeerSpec]:
@@ -53,9 +53,12 @@ def parse_peers(text: str) -> list[PeerSpec]:
         if not entry:
             continue
         scheme, sep, rest = entry.partition("://")
+        if scheme == "ipc" and rest:
+            peers.append(PeerSpec("ipc", rest, 0))  # a Unix socket on this machine (`serve`'s engine core)
+            continue
         host, colon, port = rest.rpartition(":")
         if not sep or scheme not in ("tcp", "dns") or not colon or not host or not port.isdigit():
-            raise ValueError(f"bad peer address {entry!r}: use tcp://HOST:PORT or dns://NAME:PORT")
+            raise ValueError(f"bad peer address {entry!r}: use tcp://HOST:PORT, dns://NAME:PORT or ipc://PATH")
         peers.append(PeerSpec(scheme, host.strip("[]"), int(port)))
     return peers
 
@@ -65,7 +68,7 @@ def resolve_peers(peers: list[PeerSpec]) -> list[str]:
     one that does not resolve names nobody, for now)."""
     out: list[str] = []
     for peer in peers:
-        if peer.scheme == "tcp":
+        if peer.scheme in ("tcp", "ipc"):
             out.append(peer.address)
             continue
         try:
@@ -88,9 +91,13 @@ def _configure(sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
     return sock
 
 
-def bind_router(context: zmq.asyncio.Context, host: str, port: int) -> zmq.asyncio.Socket:
+def bind_router(context: zmq.asyncio.Context, host: str, port: int, ipc_path: str | None = None) -> zmq.asyncio.Socket:
+    """On ``tcp://host:port``, or on the Unix socket ``ipc_path`` when given."""
     sock = _configure(context.socket(zmq.ROUTER))
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an API that reconnects under its old id takes its place
+    if ipc_path is not None:
+        sock.bind(f"ipc://{ipc_path}")
+        return sock
     if ":" in host and not host.startswith("["):
         sock.setsockopt(zmq.IPV6, 1)
         host = f"[{host}]"

@@ -9,8 +9,11 @@ keys; the worker reads the rows from the machine's shared memory (or the
 key's owner machine), admits the request, and streams its tokens back. An
 API that stops pinging is gone: its requests are aborted, their KV freed.
 
-The engine runs on its own thread (``AsyncEngine``), so the socket is served
-while a forward runs.
+The engine core runs on its own thread (``AsyncEngine``) and never waits on
+an API: it takes every request that came in since its last step, steps, and
+hands the step's tokens over at once. What a step did for an API's requests
+(admissions, tokens, failures) leaves as one ``StepOutputs`` frame
+(``Outbox``), not a frame per token.
 
 Disaggregation (``--role``): a request the API sends with ``prefill_by`` is
 decoded here and prefilled there. This worker reserves the request's KV
@@ -33,7 +36,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +87,8 @@ class WorkerConfig:
     role: str = "both"  # what the API routes here: prompts ("prefill"), decodes ("decode"), or both
     kv_transport: str = "shm"  # how KV comes to this worker as a decode worker: "shm" or "torch"
     transfer_timeout_s: float = 30.0  # a prefill (queue, compute, transfer) not done by then is done here
+    ipc_path: str | None = None  # the message socket on this Unix socket instead of host:port
+    kv_events: bool = True  # publish what the cache holds (for a router); `serve`'s one engine has none
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -101,7 +106,8 @@ class WorkerService:
         self.config = config
         self.incarnation = uuid.uuid4().hex
         self.events = KVEventLog()
-        self.llm = LLM(config.model_dir, kv_events=self.events, **config.engine_options)
+        self.llm = LLM(config.model_dir, kv_events=self.events if config.kv_events else None,
+                       **config.engine_options)
         self.engine = AsyncEngine(self.llm, max_pending=config.max_pending)
         # The encoders create the store (with its size); a worker only attaches, once there is one.
         self.store: SharedEmbeddingStore | None = None
@@ -110,6 +116,7 @@ class WorkerService:
         self.peers = Peers()
         self.embedding_reads = {"read": 0, "missing": 0, "bytes": 0}  # spans' rows taken from the store
         self.metrics = ServerMetrics()
+        self.outbox = Outbox(self._send)
         self._service: ServiceSocket | None = None
         # Disaggregation: transports by name (made on first use), this worker's
         # sockets to prefill workers with their readers, transfers waiting for
@@ -131,12 +138,14 @@ class WorkerService:
     # ----------------------------------------------------------------- life
     async def serve(self, stop: asyncio.Event) -> None:
         config = self.config
-        self._service = ServiceSocket(config.host, config.port, config.health_port, self._http_routes())
+        self._service = ServiceSocket(config.host, config.port, config.health_port, self._http_routes(),
+                                      config.ipc_path)
         chores = [self._receive(), every(EVENT_INTERVAL_S, self._publish_events, "sending KV events"),
                   every(1.0, self._forget_silent_peers, "checking peers"),
                   keep_ring_fresh(self.embeddings, config.embedding_peers)]
-        log.info("worker %s serving %s on tcp://%s:%d (health on %d)", config.worker_id, config.model_dir,
-                 config.host, config.port, config.health_port)
+        where = f"ipc://{config.ipc_path}" if config.ipc_path else f"tcp://{config.host}:{config.port}"
+        log.info("worker %s serving %s on %s (health on %d)", config.worker_id, config.model_dir, where,
+                 config.health_port)
         try:
             await self._service.run_until(stop, chores)
         finally:
@@ -192,8 +201,10 @@ class WorkerService:
         assert self._service is not None
         return await send(self._service.sock, message, identity)
 
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats() | {"embeddings": dict(self.embedding_reads), "role": self.config.role,
+    def stats(self, engine_stats: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The engine's stats (its last snapshot unless given) and the worker's own."""
+        engine_stats = engine_stats if engine_stats is not None else self.engine.stats()
+        return engine_stats | {"embeddings": dict(self.embedding_reads), "role": self.config.role,
                                       "disaggregation": dict(self.disagg),
                                       "transfer_buffers": {name: t.buffers() for name, t in self._transports.items()}}
 
@@ -226,8 +237,8 @@ class WorkerService:
             log.warning("an API went quiet; aborted its %d requests", self._service.cancel_of(identity))
 
     async def _flush(self, identity: bytes, message: m.Flush) -> None:
-        stats = await self.engine.flush_cache()
-        await self._send(identity, m.Flushed(message.token, stats))
+        engine_stats = await (self.engine.flush_cache() if message.drop else self.engine.current_stats())
+        await self._send(identity, m.Flushed(message.token, self.stats(engine_stats)))
 
     # ------------------------------------------------------------ requests
     async def _serve_request(self, identity: bytes, submit: m.Submit) -> None:
@@ -236,14 +247,14 @@ class WorkerService:
             try:
                 stream = await self._admit(submit)
             except (ValueError, MissingEmbedding, EngineOverloaded, EngineUnavailable, RequestFailed) as exc:
-                await self._send(identity, m.Refused(rid, _refusal_status(exc), str(exc)))
+                self.outbox.put(identity, m.Refused(rid, _refusal_status(exc), str(exc)))
                 return
             try:
-                await self._send(identity, m.Admitted(rid))
+                self.outbox.put(identity, m.Admitted(rid))
                 async for event in stream:
-                    await self._send(identity, _tokens_message(rid, event))
+                    self.outbox.put(identity, _tokens_message(rid, event))
             except (RequestFailed, EngineUnavailable) as exc:
-                await self._send(identity, m.Failed(rid, 500 if isinstance(exc, RequestFailed) else 503, str(exc)))
+                self.outbox.put(identity, m.Failed(rid, 500 if isinstance(exc, RequestFailed) else 503, str(exc)))
             finally:
                 await stream.aclose()  # an abort (cancelled task) frees the request's KV here
         finally:
@@ -489,6 +500,47 @@ class WorkerService:
             return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
         return [Route("/health", health), Route("/stats", stats), Route("/metrics", metrics)]
+
+
+class Outbox:
+    """Outputs for APIs, sent as one ``StepOutputs`` frame per API and loop
+    turn. The engine hands a step's tokens over in one callback, so every
+    stream it advanced queues here in the same turn, and the flush (a task,
+    so the turn after) sends them together; a request's consecutive tokens
+    become one ``Tokens``."""
+
+    def __init__(self, send: Callable[[bytes, object], Awaitable[bool]]) -> None:
+        self._send = send
+        self._queued: dict[bytes, list[m.RequestOutput]] = {}
+        self._flush_task: asyncio.Task[None] | None = None
+        self.frames = 0  # sent, for tests and stats
+
+    def put(self, identity: bytes, output: m.RequestOutput) -> None:
+        queued = self._queued.setdefault(identity, [])
+        if queued and _mergeable(queued[-1], output):
+            output = _merged(queued.pop(), output)  # type: ignore[arg-type]
+        queued.append(output)
+        if self._flush_task is None:
+            self._flush_task = asyncio.ensure_future(self._flush())
+
+    async def _flush(self) -> None:
+        self._flush_task = None  # what is queued from here goes in the next frame
+        queued, self._queued = self._queued, {}
+        for identity, outputs in queued.items():
+            self.frames += 1
+            await self._send(identity, m.StepOutputs(outputs))
+
+
+def _mergeable(last: m.RequestOutput, new: m.RequestOutput) -> bool:
+    return (isinstance(last, m.Tokens) and isinstance(new, m.Tokens) and last.request_id == new.request_id
+            and last.finish_reason is None and (last.logprobs is None) == (new.logprobs is None))
+
+
+def _merged(first: m.Tokens, then: m.Tokens) -> m.Tokens:
+    logprobs = None if first.logprobs is None else [*first.logprobs, *(then.logprobs or [])]
+    top = None if first.top_logprobs is None else [*first.top_logprobs, *(then.top_logprobs or [])]
+    return m.Tokens(first.request_id, [*first.tokens, *then.tokens], then.finish_reason, logprobs, top,
+                    first.cached_tokens)
 
 
 async def _send_when_connected(sock: Any, message: object, wait_s: float) -> bool:

@@ -26,12 +26,7 @@ def make_workload(num_requests: int, vocab: int, seed: int) -> tuple[list[list[i
 
 def run_swallow(model_dir: Path, prompts: list[list[int]], out_lens: list[int],
                 compile: bool = True) -> tuple[float, list[list[int]]]:
-    llm = LLM(model_dir, compile=compile)
-    # Warm-up, untimed: decode batches of one and of several requests, the
-    # two graphs a compiled forward has (torch specialises size 1).
-    warm = [prompts[0][:20], prompts[-1][:24]]
-    llm.generate(warm, [SamplingParams(max_tokens=4, ignore_eos=True), SamplingParams(max_tokens=8, ignore_eos=True)])
-    llm.flush_cache()  # the timed run must not hit the warm-up's prefixes
+    llm = LLM(model_dir, compile=compile)  # a compiled LLM has compiled every graph by now (llm_core/warmup.py)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)

@@ -25,7 +25,8 @@ def llm(tiny_checkpoint: Path) -> LLM:
 
 
 def test_health_and_models(server: str, tiny_checkpoint: Path) -> None:
-    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{server}/health").json()
+    assert health == {"status": "ok", "role": "serve", "engine_core": {"engine-core": True}}
     models = httpx.get(f"{server}/v1/models").json()
     assert models["data"][0]["id"] == tiny_checkpoint.name
 

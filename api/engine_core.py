@@ -1,0 +1,132 @@
+"""`swallow serve`'s engine core in its own process.
+
+The API process keeps HTTP, chat templates, tokenising, detokenising, SSE
+and the media encoders; the engine core is the stack's worker role (the same
+engine-core loop, messages and supervision as `swallow stack`), started as a
+child over a ZeroMQ IPC socket. So HTTP work never takes the engine's time
+or its interpreter lock, and the engine steps on its own: each step's tokens
+for every request go to the API as one frame. Media embeddings travel by key
+through the shared-memory store the supervisor creates (the encoders here
+write it, the engine core reads it), never as tensors.
+
+The child reports healthy only once its engine is built -- with ``--compile``,
+once every graph serving uses is compiled -- so `serve` starts answering
+HTTP only then. A child that dies is started again; a stopping `serve` stops
+it, and a killed one takes it along (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+from api.frontend import Embedder
+from api.metrics import ServerMetrics
+from api.runtime import ServerOptions, build_media, media_kinds
+from api.stack.frontend import StackFrontend
+from api.stack.plan import RolePlan, StackPlan, free_ports
+from api.stack.supervisor import Supervisor
+from embedding_cache import SharedEmbeddingStore
+
+__all__ = ["ENGINE_CORE_MODES", "EngineCoreFrontend", "EngineCoreProcess", "default_engine_threads",
+           "engine_core_plan"]
+
+log = logging.getLogger(__name__)
+
+ENGINE_CORE_MODES = ("process", "thread")
+WORKER_ID = "engine-core"
+
+
+def default_engine_threads(cores: int | None = None) -> int:
+    """The engine core's torch intra-op threads: every core but one, which the
+    API process keeps for HTTP, tokenising and SSE (measured on 2 cores:
+    docs/benchmarks.md, `swallow bench serve`); all of a single core."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, cores - 1)
+
+
+def engine_core_plan(model_dir: Path, engine_args: list[str], *, store_name: str, threads: int, log_level: str,
+                     kv_disk_dir: str | None = None, socket_dir: Path | None = None) -> StackPlan:
+    """One worker role on an IPC socket, its health port on localhost; no
+    KV events (a single engine has no router to tell)."""
+    socket_dir = socket_dir or Path(tempfile.mkdtemp(prefix="swallow-engine-"))
+    address = f"ipc://{socket_dir / 'engine.sock'}"
+    (health_port,) = free_ports(1)
+    argv = ["worker", "--model", str(model_dir), "--ipc", address.removeprefix("ipc://"),
+            "--health-port", str(health_port), "--worker-id", WORKER_ID, "--embedding-cache-name", store_name,
+            "--torch-threads", str(threads), "--no-kv-events", "--log-level", log_level, *engine_args]
+    if kv_disk_dir:
+        argv += ["--kv-disk-dir", kv_disk_dir]
+    role = RolePlan(WORKER_ID, "worker", tuple(argv), f"http://127.0.0.1:{health_port}/health", address)
+    return StackPlan((role,), store_name, url="")
+
+
+class EngineCoreProcess:
+    """The engine core's process, supervised from a thread of the API process."""
+
+    def __init__(self, plan: StackPlan, store_bytes: int) -> None:
+        self.plan = plan
+        self.supervisor = Supervisor(plan, store_bytes, announce=False)
+        self._stop = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        return self.plan.roles[0].address
+
+    def start(self) -> None:
+        """Returns once the engine core is healthy (built, and compiled)."""
+        self.supervisor.start()
+        self._watch = threading.Thread(target=self._keep_running, name="swallow-engine-core-watch", daemon=True)
+        self._watch.start()
+
+    def _keep_running(self) -> None:
+        while not self._stop.wait(0.2):
+            self.supervisor.check()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.join(timeout=5)
+        self.supervisor.stop()
+
+
+class EngineCoreFrontend(StackFrontend):
+    """`serve`'s frontend over its engine-core process: the stack's API with
+    one worker, and the media encoders in this process, writing the store the
+    engine core reads."""
+
+    def __init__(self, model_dir: str | Path, *, engine_core: EngineCoreProcess, name: str | None = None,
+                 options: ServerOptions = ServerOptions(), metrics: ServerMetrics | None = None,
+                 device: str = "cpu", dtype: str = "float32") -> None:
+        # One worker: nothing to route on, so no prefix hashing per request.
+        super().__init__(model_dir, workers=engine_core.address, name=name, options=options, metrics=metrics,
+                         route_policy="round-robin")
+        self.engine_core = engine_core
+        self.store = SharedEmbeddingStore.attach(engine_core.plan.store_name)
+        self.media = build_media(self.model_dir, self.store, options, metrics, device, dtype)
+        if self.media is not None:
+            self._kinds = media_kinds(self.media.batcher.kinds, self.placeholder_ids)
+
+    @property
+    def embedder(self) -> Embedder | None:
+        return self.media.embedder if self.media is not None else None
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        ready, detail = super().health()
+        return ready, {"role": "serve", "engine_core": detail["workers"]}
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self.media is not None:
+            await self.media.aclose()
+        self.store.close()
+
+
+def new_store_name() -> str:
+    return f"swallow-serve-{os.getpid()}-{uuid.uuid4().hex[:8]}"
