@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from api.launch import RunningServer, ServerStartError, free_port, launch_server
 
-__all__ = ["LiveServer", "free_port", "live_server"]
+__all__ = ["LiveServer", "alive", "free_port", "live_server"]
 
 LiveServer = RunningServer
 
@@ -23,3 +24,12 @@ def live_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None)
             yield server
     except ServerStartError as exc:  # only raised before the yield: the test body never saw a server
         pytest.fail(str(exc))
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

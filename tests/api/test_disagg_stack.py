@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from api.launch import RunningStack, launch_stack
+from tests.api.live import alive
 from tests.api.test_stack import _wait_until, references_checked_against_transformers
 from tests.api.test_stack import chat_response as _chat
 
@@ -145,7 +146,7 @@ def test_a_prefill_worker_stopped_and_killed_mid_transfer_gives_the_fallback(sta
         assert result["choices"][0]["message"]["content"] == reference
         assert time.monotonic() - started < 15
     finally:
-        os.kill(pid, signal.SIGCONT) if _alive(pid) else None
+        os.kill(pid, signal.SIGCONT) if alive(pid) else None
     assert _worker_stats(stack, "worker-1")["disaggregation"]["fallbacks"] == fallbacks + 1
     # The supervisor starts it again, and requests are disaggregated again.
     _wait_until(lambda: httpx.get(f"{stack.url}/health", timeout=5).json()["workers"].get("worker-0"), 120,
@@ -155,11 +156,3 @@ def test_a_prefill_worker_stopped_and_killed_mid_transfer_gives_the_fallback(sta
     assert response.json()["choices"][0]["message"]["content"] == reference
     assert response.headers["x-swallow-decode-worker"] == "worker-1"
     assert _worker_stats(stack, "worker-1")["disaggregation"]["received"] == received + 1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -21,7 +21,7 @@ from api.stack.transport import parse_peers
 from api.stack.worker import Outbox
 from llm_core.checkpoint import write_random_checkpoint
 from llm_core.presets import tiny
-from tests.api.live import live_server
+from tests.api.live import alive, live_server
 
 
 def _chunks(url: str, body: dict) -> list[dict]:
@@ -32,14 +32,6 @@ def _chunks(url: str, body: dict) -> list[dict]:
             if line.startswith("data: ") and line != "data: [DONE]":
                 out.append(json.loads(line.removeprefix("data: ")))
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +61,12 @@ def test_served_stream_sends_each_step_without_a_tokenizer(no_tokenizer: Path) -
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
         assert "swallow_recompiles_total 0.0" in metrics
         core_pid = int(server.log().split("the engine core (pid ", 1)[1].split(")", 1)[0])
-        assert core_pid != server.pid and _alive(core_pid)
+        assert core_pid != server.pid and alive(core_pid)
         os.kill(server.pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
-        while _alive(core_pid) and time.monotonic() < deadline:
+        while alive(core_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(core_pid)
+        assert not alive(core_pid)
 
 
 def test_engine_core_plan_is_one_worker_on_an_ipc_socket(tmp_path: Path) -> None:
