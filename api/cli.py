@@ -160,7 +160,7 @@ def _start_engine_core(args: argparse.Namespace, model_dir: Path, options: Any) 
     threads = args.engine_threads or default_engine_threads()
     plan = engine_core_plan(model_dir, _engine_args(args), store_name=options.embedding_cache_name or new_store_name(),
                             threads=threads, log_level=args.log_level, kv_disk_dir=args.kv_disk_dir)
-    core = EngineCoreProcess(plan, options.embedding_cache_bytes)
+    core = EngineCoreProcess(plan, options.embedding_cache_bytes, own_store=options.embedding_cache_name is None)
     started = time.perf_counter()
     print(f"starting the engine core ({threads} torch threads; log in {core.supervisor.log_dir})", flush=True)
     core.start()

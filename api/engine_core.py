@@ -69,9 +69,11 @@ def engine_core_plan(model_dir: Path, engine_args: list[str], *, store_name: str
 class EngineCoreProcess:
     """The engine core's process, supervised from a thread of the API process."""
 
-    def __init__(self, plan: StackPlan, store_bytes: int) -> None:
+    def __init__(self, plan: StackPlan, store_bytes: int, own_store: bool = True) -> None:
+        """``own_store``: the embedding store is this server's (removed when it
+        stops), not one the user named for several processes to share."""
         self.plan = plan
-        self.supervisor = Supervisor(plan, store_bytes, announce=False)
+        self.supervisor = Supervisor(plan, store_bytes, announce=False, own_store=own_store)
         self._stop = threading.Event()
         self._watch: threading.Thread | None = None
 

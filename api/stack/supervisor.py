@@ -61,11 +61,14 @@ class _Process:
 
 class Supervisor:
     def __init__(self, plan: StackPlan, store_bytes: int, log_dir: Path | None = None,
-                 announce: bool = True) -> None:
+                 announce: bool = True, own_store: bool = True) -> None:
         """``announce``: print where the stack serves once it is up (not for
-        `serve`'s engine core, whose API says that itself)."""
+        `serve`'s engine core, whose API says that itself). ``own_store``:
+        remove the embedding store on stop (not one the user named, which
+        other processes may share)."""
         self.plan = plan
         self.announce = announce
+        self.own_store = own_store
         self.store_bytes = store_bytes
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="swallow-stack-"))
         self.processes = [_Process(role) for role in plan.roles]
@@ -118,7 +121,8 @@ class Supervisor:
                 proc.wait()
         if self._store is not None:
             self._store.close()
-            self._store.unlink()
+            if self.own_store:
+                self._store.unlink()
             self._store = None
 
     # ----------------------------------------------------------- supervision

@@ -113,3 +113,20 @@ def test_outbox_sends_one_frame_per_turn_and_merges_a_requests_tokens() -> None:
 def test_bad_ipc_addresses_are_refused(bad: str) -> None:
     with pytest.raises(ValueError):
         parse_peers(bad)
+
+
+def test_a_dead_engine_core_is_started_again(no_tokenizer: Path) -> None:
+    with live_server(no_tokenizer, "--speculative-tokens", "0") as server:
+        core_pid = int(server.log().split("the engine core (pid ", 1)[1].split(")", 1)[0])
+        os.kill(core_pid, signal.SIGKILL)
+        states = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            states.append(httpx.get(f"{server.url}/health", timeout=10).status_code)
+            if states[-1] == 200 and 503 in states:
+                break
+            time.sleep(0.2)
+        assert 503 in states and states[-1] == 200  # unavailable while it was down, serving again after
+        body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200 and len(reply.json()["choices"][0]["token_ids"]) == 4
