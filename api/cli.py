@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 
 # The trained demo model, committed with the code (`swallow train-demo` rebuilds it).
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
+# `serve --engine-core`: its own process (the default), or a thread of the API process.
+ENGINE_CORE_MODES = ("process", "thread")
+# Compiled graphs are kept where a restarted server (and its engine core) finds them.
+INDUCTOR_CACHE_DIR = Path.home() / ".cache" / "swallow" / "inductor"
 
 
 def default_model_dir() -> Path:
@@ -125,6 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else _ensure_default_model()
     options = server_options(args)
     metrics = ServerMetrics()
+    core = None
     if args.engine_core == "thread":
         import torch
 
@@ -132,21 +137,21 @@ def _serve(args: argparse.Namespace) -> int:
 
         if args.engine_threads:
             torch.set_num_threads(args.engine_threads)
-        model = ServingModel(model_dir, name=args.served_model_name, options=options, metrics=metrics,
-                             **engine_options(args))
-        print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
-        uvicorn.run(create_app(model, metrics), host=args.host, port=args.port, log_level=args.log_level)
-        return 0
-    core = _start_engine_core(args, model_dir, options)
-    try:
+        model: Any = ServingModel(model_dir, name=args.served_model_name, options=options, metrics=metrics,
+                                  **engine_options(args))
+    else:
         from api.engine_core import EngineCoreFrontend
 
-        frontend = EngineCoreFrontend(model_dir, engine_core=core, name=args.served_model_name, options=options,
-                                      metrics=metrics, device=args.device, dtype=args.dtype)
+        core = _start_engine_core(args, model_dir, options)
+    try:
+        if core is not None:
+            model = EngineCoreFrontend(model_dir, engine_core=core, name=args.served_model_name, options=options,
+                                       metrics=metrics, device=args.device, dtype=args.dtype)
         print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
-        uvicorn.run(create_app(frontend, metrics), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(create_app(model, metrics), host=args.host, port=args.port, log_level=args.log_level)
     finally:
-        core.stop()
+        if core is not None:
+            core.stop()
     return 0
 
 
@@ -630,7 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="checkpoint directory (default: a small random demo model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--engine-core", default="process", choices=["process", "thread"],
+    serve.add_argument("--engine-core", default="process", choices=ENGINE_CORE_MODES,
                        help="the engine core in its own process, over ZeroMQ IPC (default), or on a thread of the "
                             "API process (for debugging: one process, one interpreter lock)")
     serve.add_argument("--engine-threads", type=int,
@@ -807,10 +812,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stack: turns per conversation (and --repeats: runs per policy)")
     bench.set_defaults(func=_bench)
     return parser
-
-
-# Compiled graphs are kept where a restarted server (and its engine core) finds them.
-INDUCTOR_CACHE_DIR = Path.home() / ".cache" / "swallow" / "inductor"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,6 @@ it, and a killed one takes it along (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import threading
@@ -33,12 +32,9 @@ from api.stack.plan import RolePlan, StackPlan, free_ports
 from api.stack.supervisor import Supervisor
 from embedding_cache import SharedEmbeddingStore
 
-__all__ = ["ENGINE_CORE_MODES", "EngineCoreFrontend", "EngineCoreProcess", "default_engine_threads",
-           "engine_core_plan"]
+__all__ = ["EngineCoreFrontend", "EngineCoreProcess", "default_engine_threads", "engine_core_plan",
+           "new_store_name"]
 
-log = logging.getLogger(__name__)
-
-ENGINE_CORE_MODES = ("process", "thread")
 WORKER_ID = "engine-core"
 
 

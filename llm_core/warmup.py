@@ -5,13 +5,16 @@ shape facts its guards distinguish, and under dynamic shapes those facts are
 few: a size of 1 against larger ones (torch specialises 0 and 1), and the
 dense-experts threshold of a traced MoE layer (``layers._DENSE_TOKENS``).
 ``warm_up`` runs short requests that reach each combination a step can
-have -- decode of one request and of several, each within one KV page and
-across several; extend (prefill chunks, alone and beside decode rows) of one
-sequence and of several, on both sides of the threshold (a compiled extend
-always takes embeddings, so media rows add no graph); the MTP drafts of all
-of them -- so that serving, from its
-first request, never waits for a compile. Graphs loaded from the inductor
-cache make a restarted server's warm-up quick.
+have -- decode of one request and of several (a decode page table is at
+least two pages wide, so the page count adds no graph); extend (prefill
+chunks, alone and beside decode rows) of one row, of one sequence and of
+several, on both sides of the threshold (a compiled extend always takes
+embeddings, so media rows add no graph); the MTP drafts of all of them --
+so that serving, from its first request, never waits for a compile. Graphs
+loaded from the inductor cache make a restarted server's warm-up quick.
+
+``CompileCounter`` counts graphs process-wide: a process running several
+compiled engines counts each one's.
 
 ``CompileCounter`` counts dynamo's graph compilations, so a server can show
 (``swallow_recompiles_total``) that none happen once it is ready.
@@ -24,10 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from llm_core.layers import _DENSE_TOKENS
-from llm_core.multimodal import MultimodalSpan
 from llm_core.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def warm_up(llm: LLM) -> WarmupReport:
     # Past the dense threshold, but within one step's token budget and the pools.
     long = min(_DENSE_TOKENS + page + 1, engine.config.max_num_batched_tokens // 2)
     prompts = _Prompts(llm.config.vocab_size)
-    # Decode within one page and across pages; one request and several.
+    # Decode of one request and of several, each with extends short and long.
     repeated = prompts.make(2 * page + 3, 2)
     batches = [
         [prompts.make(1, 2)],  # a one-token prompt: an extend of one row
@@ -92,9 +92,8 @@ def warm_up(llm: LLM) -> WarmupReport:
     for batch in batches:
         llm.generate([p for p, _ in batch], [params for _, params in batch])
         count += len(batch)
-    # Prefill chunks beside decode rows, short and long, then with media rows.
+    # Prefill chunks beside decode rows, short and long.
     count += _staggered(llm, [prompts.make(4, 6), prompts.make(9, 4), prompts.make(long, 3)])
-    count += _with_span(llm, prompts.make(12, 3))
     llm.flush_cache()
     engine.reset_stats()
     return WarmupReport(time.perf_counter() - started, CompileCounter.compiled() - graphs_before, count)
@@ -120,15 +119,6 @@ def _staggered(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> in
     while live:
         live -= _finished(llm.step())
     return len(requests)
-
-
-def _with_span(llm: LLM, request: tuple[list[int], SamplingParams]) -> int:
-    prompt, params = request
-    hidden = llm.config.hidden_size
-    rows = torch.randn(len(prompt) // 2, hidden, generator=torch.Generator().manual_seed(_SEED))
-    span = MultimodalSpan(1, rows, b"swallow-warm-up")
-    llm.generate([prompt], [params], mm_spans=[[span]])
-    return 1
 
 
 def _finished(events: list) -> set[int]:  # noqa: ANN001 - llm_core.engine.TokenEvent

@@ -513,7 +513,6 @@ class Outbox:
         self._send = send
         self._queued: dict[bytes, list[m.RequestOutput]] = {}
         self._flush_task: asyncio.Task[None] | None = None
-        self.frames = 0  # sent, for tests and stats
 
     def put(self, identity: bytes, output: m.RequestOutput) -> None:
         queued = self._queued.setdefault(identity, [])
@@ -527,7 +526,6 @@ class Outbox:
         self._flush_task = None  # what is queued from here goes in the next frame
         queued, self._queued = self._queued, {}
         for identity, outputs in queued.items():
-            self.frames += 1
             await self._send(identity, m.StepOutputs(outputs))
 
 
