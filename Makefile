@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade "pip>=24"
 	$(BIN)/pip install --quiet -e ".[dev]"
-	$(BIN)/python -m llm_core.cpu_attention
+	$(BIN)/python -m llm_core.cpu_kernels
 	$(BIN)/python -m llm_core.kv_transfer
 	@touch $(STAMP)
 

@@ -267,6 +267,11 @@ def resolve_attention(impl: AttentionImpl, device: torch.device) -> AttentionFn:
         from llm_core.triton_attention import paged_attention_triton
 
         return paged_attention_triton
+    if impl == "auto" and device.type == "cpu":
+        from llm_core import cpu_kernels
+
+        if cpu_kernels.available():
+            return cpu_kernels.paged_attention_cpu
     return paged_attention_torch
 
 
@@ -276,10 +281,10 @@ def resolve_decode_attention(impl: AttentionImpl, device: torch.device) -> Decod
 
         return paged_decode_attention_triton
     if impl == "auto" and device.type == "cpu":
-        from llm_core import cpu_attention
+        from llm_core import cpu_kernels
 
-        if cpu_attention.available():
-            return cpu_attention.paged_decode_attention_cpu
+        if cpu_kernels.available():
+            return cpu_kernels.paged_decode_attention_cpu
     return paged_decode_attention_torch
 
 
@@ -309,8 +314,10 @@ def compiled(fn: Callable[..., torch.Tensor], backend: str = "inductor") -> Call
         # traced (batch and page count, say) are not assumed equal forever,
         # which would recompile it when they part.
         # One graph per MTP layer module as well: more than dynamo's default of 8.
+        # Float attributes (norm eps, scales) are constants of the graph: each
+        # would otherwise be a symbolic input guarded in Python at every call.
         with torch.fx.experimental._config.patch(use_duck_shape=False), \
-                torch._dynamo.config.patch(recompile_limit=64):
+                torch._dynamo.config.patch(recompile_limit=64, specialize_float=True):
             return graph(*args)
 
     return run

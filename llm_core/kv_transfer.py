@@ -24,13 +24,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
 from types import ModuleType
 
 import torch
 import xxhash
 import xxhash._xxhash
 
+from llm_core import native
 from llm_core.kv_store import DiskKVStore, HostKVPool, copy_into
 from llm_core.kv_tiers import FULL, SWA, Tier
 from llm_core.paged_attention import KVCacheTensors, as_bytes
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 # Restore latency buckets (seconds), for the histogram in stats and /metrics.
 RESTORE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
-_COPY_SOURCE = Path(__file__).parent / "csrc" / "kv_page_copy.cpp"
 _U64 = (1 << 64) - 1
 
 
@@ -47,17 +46,16 @@ _U64 = (1 << 64) - 1
 def page_copy_kernel() -> ModuleType | None:
     """The C++ page copy (``csrc/kv_page_copy.cpp``), built on first use;
     None where it cannot be built (the torch path is used)."""
-    from torch.utils import cpp_extension
-
-    try:
-        kernel = cpp_extension.load(name="swallow_kv_page_copy", sources=[str(_COPY_SOURCE)],
-                                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp", "-ldl"],
-                                    verbose=False)
-        kernel.bind_xxh3(xxhash._xxhash.__file__)  # the very hash kv_store.py computes
-    except Exception as exc:  # noqa: BLE001 - any build failure leaves the torch path
-        log.warning("the C++ KV page copy did not build (%s); using the torch path", exc)
+    kernel = native.build("swallow_kv_page_copy", ("kv_page_copy.cpp",), "KV page copy",
+                          cflags=("-O3", "-fopenmp"), ldflags=("-fopenmp", "-ldl"))
+    if kernel is None:
         return None
-    return kernel
+    try:
+        kernel.bind_xxh3(xxhash._xxhash.__file__)  # type: ignore[union-attr]  # the very hash kv_store.py computes
+    except Exception as exc:  # noqa: BLE001 - without the hash the torch path is used
+        log.warning("the C++ KV page copy could not bind xxh3 (%s); using the torch path", exc)
+        return None
+    return kernel  # type: ignore[return-value]
 
 
 def model_weights_digest(model: torch.nn.Module, samples: int = 4096) -> bytes:

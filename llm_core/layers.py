@@ -119,6 +119,9 @@ class RoutedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
+        if not torch.is_grad_enabled() and _cpu_kernel_runs(x, self.gate_up_proj, self.down_proj):
+            # Traced or not: one opaque C++ op over each expert's own tokens.
+            return torch.ops.swallow_cpu.routed_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj)
         if torch.compiler.is_compiling() or _capturing(x):
             # Traced or captured: no host sync, no data-dependent shape.
             if _grouped_mm_traces(x, self.gate_up_proj, self.down_proj):
@@ -189,6 +192,20 @@ class RoutedExperts(nn.Module):
             out.index_add_(0, tokens, h * slot_weights[start : start + count].to(h.dtype))
             start += count
         return out
+
+
+def k_major(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [E, rows, k] unchanged in value, stored as [E, k, rows]: the
+    layout the C++ experts kernel reads each expert's product in."""
+    return weight.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _cpu_kernel_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the C++ experts kernel (``cpu_kernels.routed_experts_cpu``) takes
+    this layer: float32 on the CPU, experts stored k-major -- which the CPU
+    loader does only where the kernel is built."""
+    return (x.device.type == "cpu" and x.dtype == gate_up.dtype == down.dtype == torch.float32
+            and gate_up.stride(1) == 1 and down.stride(1) == 1)
 
 
 def _grouped_mm_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:

@@ -140,6 +140,15 @@ class PagedBatch:
         return (pages[:, None] * self.page_size + offsets).flatten()[:n]
 
     @cached_property
+    def query_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query row: where its request's pages start in ``kv_table``, and how
+        many of the request's keys it sees (causally: up to its own position)."""
+        device = self.q_pos.device
+        lengths = torch.tensor([n for _, n in self.q_bounds], device=device)
+        request = torch.repeat_interleave(torch.arange(len(self.q_bounds), device=device), lengths)
+        return self.kv_start.long()[request], self.q_pos - self.kv_first_pos[request] + 1
+
+    @cached_property
     def decode(self) -> DecodeTables:
         """Built on first use only (the torch path), once per step for all layers."""
         device = self.kv_table.device
@@ -454,6 +463,10 @@ class KVCacheTensors:
                             for i in self._layers}
         self._hidden = [torch.zeros(swa_slots + 1 + draft_slots, config.hidden_size, dtype=dtype, device=device)
                         for _ in range(draft_depths)]
+        # Pools never change size: a compiled forward guards on them as static
+        # tensors (cheap checks), not on symbolic sizes and strides.
+        for pool in (*(t for _, k, v in self._layers.values() for t in (k, v)), *self._hidden):
+            torch._dynamo.mark_static(pool)
         self.shapes = {
             "full_k": [len(config.full_layer_ids), full_rows, full.num_kv_heads, full.head_dim],
             "swa_k": [len(swa_layers), swa_slots + 1, swa.num_kv_heads, swa.head_dim],
@@ -560,8 +573,8 @@ class PagedAttentionBackend:
         if self.before_layer is not None:
             self.before_layer(layer_idx)
         if torch.compiler.is_compiling():
-            triton = self.attention_fn is not paged_attention_torch
-            return traced_paged_attention(q, k_cache, v_cache, batch, spec.sliding_window, sinks, triton, scales)
+            return traced_paged_attention(q, k_cache, v_cache, batch, spec.sliding_window, sinks,
+                                          self.attention_fn.__name__, scales)
         return self.attention_fn(q, k_cache, v_cache, batch, spec.sliding_window, sinks, scales)
 
     def store_hidden(self, hidden: torch.Tensor) -> None:
@@ -585,17 +598,29 @@ def _paged_attention_op(
     page_size: int,
     sliding_window: int,
     sinks: torch.Tensor | None,
-    triton: bool,
+    kernel: str,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     rows = bounds.tolist()
     batch = PagedBatch(q_pos, q_start, q_len, kv_table, kv_start, kv_len, kv_first_pos, q_pos, page_size,
                        tuple((r[0], r[1]) for r in rows), tuple((r[2], r[3], r[4]) for r in rows))
-    if triton:
-        from llm_core.triton_attention import paged_attention_triton as attention
-    else:
-        attention = paged_attention_torch
-    return attention(q, k_cache, v_cache, batch, sliding_window or None, sinks, kv_scales)
+    return attention_named(kernel)(q, k_cache, v_cache, batch, sliding_window or None, sinks, kv_scales)
+
+
+def attention_named(name: str) -> AttentionFn:
+    """An extend attention function by its ``__name__``: how a compiled forward's
+    opaque op knows which one the engine chose."""
+    if name == "paged_attention_triton":
+        from llm_core.triton_attention import paged_attention_triton
+
+        return paged_attention_triton
+    if name == "paged_attention_cpu":
+        from llm_core.cpu_kernels import paged_attention_cpu
+
+        return paged_attention_cpu
+    if name != paged_attention_torch.__name__:
+        raise ValueError(f"no extend attention named {name!r}")
+    return paged_attention_torch
 
 
 _paged_attention_op.register_fake(attention_output)
@@ -608,14 +633,15 @@ def traced_paged_attention(
     batch: PagedBatch,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
-    triton: bool,
+    kernel: str,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A mixed batch's attention as one opaque op of a compiled forward: its
-    per-request bounds travel as a CPU tensor, so no value of them is guarded."""
+    per-request bounds travel as a CPU tensor, so no value of them is guarded.
+    ``kernel``: the ``__name__`` of the attention function to run."""
     return torch.ops.swallow.paged_attention(
         q, k_cache, v_cache, batch.q_pos, batch.q_start, batch.q_len, batch.kv_table, batch.kv_start, batch.kv_len,
-        batch.kv_first_pos, batch.host_bounds, batch.page_size, sliding_window or 0, sinks, triton, kv_scales,
+        batch.kv_first_pos, batch.host_bounds, batch.page_size, sliding_window or 0, sinks, kernel, kv_scales,
     )
 
 

@@ -53,7 +53,7 @@ from llm_core.config import AttentionSpec, ConfigError, ModelConfig
 from llm_core.expert_parallel import ExpertParallel
 from llm_core.fp8 import Fp8Scheme, block_scale_rows, dequantize, never_quantized, quantize_blockwise, read_fp8_scheme
 from llm_core.fp8_linear import Fp8Linear, Fp8RoutedExperts, fp8_gemm_supported, resident_weight_bytes
-from llm_core.layers import RoutedExperts, SparseMoE
+from llm_core.layers import RoutedExperts, SparseMoE, k_major
 from llm_core.model import Attention, MiMoV2ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -380,6 +380,8 @@ class _Loader:
         if not fp8:
             gate_up = torch.empty(local, 2 * intermediate, hidden, dtype=self.dtype, device=self.device)
             down = torch.empty(local, hidden, intermediate, dtype=self.dtype, device=self.device)
+            if _cpu_experts_kernel(self.device, self.dtype):
+                gate_up, down = k_major(gate_up), k_major(down)  # the layout the C++ experts kernel reads
             for i, (gu, d) in enumerate(plans):
                 gate_up[i] = _read(self.reader, gu).dense()
                 down[i] = _read(self.reader, d).dense()
@@ -447,6 +449,14 @@ def _positive_scalar(reader: CheckpointReader, name: str) -> float:
     if not scale > 0 or scale == float("inf"):
         raise CheckpointError(f"tensor '{name}' is {scale}: a scale must be positive and finite")
     return scale
+
+
+def _cpu_experts_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    from llm_core import cpu_kernels
+
+    return cpu_kernels.available()
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -3,14 +3,17 @@
 // online softmax per query head, a GQA group sharing each K/V load.
 //
 // q [B, Hq, D]; k_cache [S, Hkv, D]; v_cache [S, Hkv, Dv]; pages [B, P] page
-// ids (int32 or int64); kv_len [B]: request b's keys are its last kv_len[b]
-// positions up to q_pos[b], key i at slot pages[b][i / page] * page + i % page.
+// ids (int32 or int64), or any pages with page_start [B]: query b's page ids
+// then start at flat offset page_start[b] (an extend batch's rows sharing
+// their request's pages); kv_len [B]: query b's keys are its last kv_len[b]
+// positions up to q_pos[b], key i at slot row[i / page] * page + i % page.
 // window > 0 keeps keys with q_pos - k_pos < window. sinks [Hq] (optional)
 // join each head's softmax denominator as one more logit with no value.
 // K/V may be float8_e4m3fn pools (stored = value / scale): kv_scales [2]
 // (k, v) then scale the scores and the output, and each stored byte is read
 // through a 256-entry table of its e4m3 value.
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 
@@ -71,7 +74,7 @@ struct KVElement<uint8_t> {
 
 template <typename scalar_t, typename kv_t, typename page_t>
 void decode_kernel(const scalar_t* q, const kv_t* k, const kv_t* v, const page_t* pages,
-                   const int64_t* kv_len, const float* sinks, scalar_t* out,
+                   const int64_t* page_start, const int64_t* kv_len, const float* sinks, scalar_t* out,
                    int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t dv, int64_t width,
                    int64_t page, int64_t window, int64_t k_stride0, int64_t k_stride1,
                    int64_t v_stride0, int64_t v_stride1, float k_scale, float v_scale) {
@@ -95,7 +98,7 @@ void decode_kernel(const scalar_t* q, const kv_t* k, const kv_t* v, const page_t
         l[g] = sinks ? 1.0f : 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      const page_t* row = pages + b * width;
+      const page_t* row = pages + (page_start ? page_start[b] : b * width);
       // Key lo's page and offset, then stepped along: no division per key.
       int64_t page_index = lo / page, offset = lo % page;
       for (int64_t i0 = lo; i0 < n; i0 += kBlock) {
@@ -166,7 +169,8 @@ void decode_kernel(const scalar_t* q, const kv_t* k, const kv_t* v, const page_t
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor pages, int64_t page_size, torch::Tensor kv_len,
+                                     torch::Tensor pages, std::optional<torch::Tensor> page_start,
+                                     int64_t page_size, torch::Tensor kv_len,
                                      torch::Tensor q_pos, int64_t window, std::optional<torch::Tensor> sinks,
                                      std::optional<torch::Tensor> kv_scales) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
@@ -192,14 +196,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   if (sinks.has_value()) sink_values = sinks->to(torch::kFloat).contiguous();
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hkv = k_cache.size(1), dv = v_cache.size(2);
-  TORCH_CHECK(hq % hkv == 0 && k_cache.size(2) == d && pages.size(0) == batch, "shapes do not agree");
+  TORCH_CHECK(hq % hkv == 0 && k_cache.size(2) == d && kv_len.numel() == batch, "shapes do not agree");
+  torch::Tensor starts;
+  if (page_start.has_value()) {
+    starts = page_start->to(torch::kLong).contiguous();
+    TORCH_CHECK(starts.numel() == batch, "one page_start per query");
+  } else {
+    TORCH_CHECK(pages.dim() == 2 && pages.size(0) == batch, "pages [B, P] without page_start");
+  }
+  const int64_t* start_ptr = page_start.has_value() ? starts.data_ptr<int64_t>() : nullptr;
   auto out = torch::empty({batch, hq, dv}, q.options());
   const float* sink_ptr = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto* page_ptr) {
       auto with = [&](auto* k_ptr, auto* v_ptr) {
-        decode_kernel(q.data_ptr<scalar_t>(), k_ptr, v_ptr, page_ptr, kv_len.data_ptr<int64_t>(), sink_ptr,
-                      out.data_ptr<scalar_t>(), batch, hq, hkv, d, dv, pages.size(1), page_size, window,
+        decode_kernel(q.data_ptr<scalar_t>(), k_ptr, v_ptr, page_ptr, start_ptr, kv_len.data_ptr<int64_t>(), sink_ptr,
+                      out.data_ptr<scalar_t>(), batch, hq, hkv, d, dv, pages.size(-1), page_size, window,
                       k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k_scale, v_scale);
       };
       if (fp8) {
@@ -221,6 +233,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention);
+TORCH_LIBRARY_FRAGMENT(swallow_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor pages, Tensor? page_start, "
+        "int page_size, "
+        "Tensor kv_len, Tensor q_pos, int window, Tensor? sinks, Tensor? kv_scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(swallow_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
 }

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llm_core.attention import attention_reference
-from llm_core.paged_attention import paged_decode_attention_torch
+from llm_core.paged_attention import PagedBatch, paged_attention_torch, paged_decode_attention_torch
 
 
 def make_decode_case(
@@ -85,9 +85,9 @@ def test_off_by_one_in_the_key_positions_is_caught() -> None:
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 1), (8, 2)])
 def test_cpu_kernel_matches_the_torch_decode_path(page_size: int, window: int | None, with_sinks: bool, hq: int,
                                                   hkv: int) -> None:
-    from llm_core import cpu_attention
+    from llm_core import cpu_kernels
 
-    if not cpu_attention.available():
+    if not cpu_kernels.available():
         pytest.skip("no C++ compiler for the CPU kernel")
     kv_lens = [1, 7, 13, 4, 40, 9, 100]  # up to 100: several 32-key blocks and pages
     q, k_cache, v_cache, pages, sinks = make_decode_case(kv_lens, page_size, hq, hkv, 48, 32, with_sinks)
@@ -95,11 +95,11 @@ def test_cpu_kernel_matches_the_torch_decode_path(page_size: int, window: int | 
     q_pos = torch.tensor([0, 30, 12, 100, 39, 8, 200])
     ref = paged_decode_attention_torch(q, k_cache, v_cache, pages, page_size, kv_len, q_pos, window, sinks)
     for table in (pages, pages.long()):
-        out = cpu_attention.paged_decode_attention_cpu(q, k_cache, v_cache, table, page_size, kv_len, q_pos, window,
+        out = cpu_kernels.paged_decode_attention_cpu(q, k_cache, v_cache, table, page_size, kv_len, q_pos, window,
                                                        sinks)
         assert torch.isfinite(out).all()  # NaN slots are never read
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    half = cpu_attention.paged_decode_attention_cpu(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), pages,
+    half = cpu_kernels.paged_decode_attention_cpu(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), pages,
                                                     page_size, kv_len, q_pos, window, sinks)
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float(), ref, atol=5e-2, rtol=5e-2)
@@ -109,9 +109,9 @@ def test_cpu_kernel_matches_the_torch_decode_path(page_size: int, window: int | 
 def test_cpu_kernel_handles_scores_far_below_the_max(with_sinks: bool) -> None:
     """Keys scoring ~100 to ~1000 below the best (peaky trained heads) weigh
     nothing; they must never come out as garbage or NaN."""
-    from llm_core import cpu_attention
+    from llm_core import cpu_kernels
 
-    if not cpu_attention.available():
+    if not cpu_kernels.available():
         pytest.skip("no C++ compiler for the CPU kernel")
     kv_lens = [40, 70]
     q, k_cache, v_cache, pages, sinks = make_decode_case(kv_lens, 4, 4, 2, 16, 8, with_sinks, seed=3)
@@ -120,15 +120,60 @@ def test_cpu_kernel_handles_scores_far_below_the_max(with_sinks: bool) -> None:
         sinks = sinks * 200.0
     kv_len, q_pos = torch.tensor(kv_lens), torch.tensor(kv_lens) - 1
     ref = paged_decode_attention_torch(q, k_cache, v_cache, pages, 4, kv_len, q_pos, None, sinks)
-    out = cpu_attention.paged_decode_attention_cpu(q, k_cache, v_cache, pages, 4, kv_len, q_pos, None, sinks)
+    out = cpu_kernels.paged_decode_attention_cpu(q, k_cache, v_cache, pages, 4, kv_len, q_pos, None, sinks)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_engine_on_cpu_decodes_through_the_kernel_where_it_builds(hf_checkpoint) -> None:  # noqa: ANN001
-    from llm_core import LLM, cpu_attention
-    from llm_core.paged_attention import paged_decode_attention_torch as torch_path
+    from llm_core import LLM, cpu_kernels
+    from llm_core.paged_attention import PagedBatch, paged_attention_torch, paged_decode_attention_torch as torch_path
 
-    expected = cpu_attention.paged_decode_attention_cpu if cpu_attention.available() else torch_path
+    expected = cpu_kernels.paged_decode_attention_cpu if cpu_kernels.available() else torch_path
     assert LLM(hf_checkpoint).engine.decode_attention_fn is expected
     assert LLM(hf_checkpoint, attention="torch").engine.decode_attention_fn is torch_path
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 1), (8, 2)])
+def test_cpu_extend_attention_matches_the_torch_path(window: int | None, with_sinks: bool, hq: int,
+                                                     hkv: int) -> None:
+    """Extend batches (prefill chunks after a prefix, keys trimmed to the
+    window as SWA pools keep them, decode rows beside them) through the
+    kernel's per-row path: each query row its request's pages, from its own
+    offset into the flat table."""
+    from llm_core import cpu_kernels
+    from tests.llm_core.attention_cases import MIXED, make_block_table_case, make_case
+
+    if not cpu_kernels.available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    q, k_cache, v_cache, batch, sinks = make_case(MIXED, hq, hkv, 48, 32, torch.float32, with_sinks, "cpu")
+    ref = paged_attention_torch(q, k_cache, v_cache, batch, window, sinks)
+    out = cpu_kernels.paged_attention_cpu(q, k_cache, v_cache, batch, window, sinks)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    # Through a block table of shuffled pages (page_size 4) the same.
+    requests = [(20, 1), (12, 5), (0, 37), (30, 37), (3, 1)]
+    paged, listed, n_slots = make_block_table_case(requests, 4, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(n for _, n in requests), hq, 16, generator=gen)
+    k_cache, v_cache = torch.randn(n_slots, hkv, 16, generator=gen), torch.randn(n_slots, hkv, 8, generator=gen)
+    ref = paged_attention_torch(q, k_cache, v_cache, listed, window, sinks)
+    torch.testing.assert_close(cpu_kernels.paged_attention_cpu(q, k_cache, v_cache, paged, window, sinks), ref,
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_extend_attention_rows_do_not_depend_on_the_batch() -> None:
+    """A request's outputs are the same bits batched with others or alone."""
+    from llm_core import cpu_kernels
+    from tests.llm_core.attention_cases import MIXED, make_case
+
+    if not cpu_kernels.available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    q, k_cache, v_cache, batch, sinks = make_case(MIXED, 4, 2, 48, 32, torch.float32, True, "cpu")
+    together = cpu_kernels.paged_attention_cpu(q, k_cache, v_cache, batch, 9, sinks)
+    rows = slice(43, 80)  # MIXED[3]: 37 queries from position 30 over keys from 0
+    single = PagedBatch.build([(30, 37)], [batch.key_slots(3)], [0], [batch.write_slots[rows]], "cpu")
+    alone = cpu_kernels.paged_attention_cpu(q[rows], k_cache, v_cache, single, 9, sinks)
+    assert torch.equal(alone, together[rows])

@@ -61,9 +61,9 @@ def test_the_torch_path_reads_an_fp8_pool_as_its_dequantized_values(window: int 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_decode_kernel_reads_fp8_pools(dtype: torch.dtype) -> None:
-    from llm_core import cpu_attention
+    from llm_core import cpu_kernels
 
-    if not cpu_attention.available():
+    if not cpu_kernels.available():
         pytest.skip("the C++ kernel did not build")
     k, v, _, _ = _pools(100, 2, 32, 16)
     gen = torch.Generator().manual_seed(1)
@@ -71,7 +71,7 @@ def test_the_cpu_decode_kernel_reads_fp8_pools(dtype: torch.dtype) -> None:
     pages = torch.randperm(25, generator=gen)[:12].view(3, 4).to(torch.int32)
     q_pos, kv_len = torch.tensor([7, 15, 12]), torch.tensor([8, 16, 9])
     for window, sinks in [(None, None), (5, torch.randn(4, generator=gen))]:
-        ours = cpu_attention.paged_decode_attention_cpu(q, k, v, pages, 4, kv_len, q_pos, window, sinks, SCALES)
+        ours = cpu_kernels.paged_decode_attention_cpu(q, k, v, pages, 4, kv_len, q_pos, window, sinks, SCALES)
         # The kernel works in float32 whatever q's dtype: so does the reference.
         ref = paged_decode_attention_torch(q.float(), k, v, pages, 4, kv_len, q_pos, window, sinks, SCALES)
         tol = 1e-5 if dtype == torch.float32 else 1e-2

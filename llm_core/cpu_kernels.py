@@ -1,0 +1,90 @@
+"""The C++ CPU kernels (``csrc/``), registered as torch ops ``swallow_cpu::*``.
+
+* ``paged_decode_attention``: decode attention read in place through the page
+  table. The torch decode path gathers every request's keys into a [B, keys,
+  heads, dim] copy and reads it again: three passes over the KV memory a step
+  reads, and most of a CPU decode step. The kernel reads K/V once.
+* ``routed_experts``: a MoE layer's experts over only the tokens routed to
+  each (float32). Traced forwards otherwise compute every expert on every
+  token (static shapes), ``experts / top_k`` times the work, and the eager
+  grouped products pay tens of microseconds of dispatch per expert.
+
+Both are ops of a C++ library (not Python custom ops), so a compiled forward
+calls each as one opaque node without entering Python. They are built on first
+use (``python -m llm_core.cpu_kernels`` builds them ahead); where they cannot be
+(no compiler) ``available`` is False and the torch paths are used.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from llm_core import native
+from llm_core.paged_attention import PagedBatch, attention_output, paged_attention_torch
+
+_SOURCES = ("paged_decode_attention.cpp", "routed_experts.cpp")
+
+
+@cache
+def available() -> bool:
+    if native.build("swallow_cpu_kernels", _SOURCES, "CPU kernels", ops_library=True) is None:
+        return False
+    torch.library.register_fake("swallow_cpu::paged_decode_attention")(attention_output)
+    torch.library.register_fake("swallow_cpu::routed_experts")(_experts_output)
+    return True
+
+
+def _experts_output(x: torch.Tensor, *_: object) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    kv_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Drop-in for ``paged_decode_attention_torch`` on CPU tensors (FP8 pools included)."""
+    return torch.ops.swallow_cpu.paged_decode_attention(q, k_cache, v_cache, pages, None, page_size, kv_len, q_pos,
+                                                        sliding_window or 0, sinks, kv_scales)
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Drop-in for ``paged_attention_torch`` on CPU tensors. Sliding-window
+    layers run every query row through the kernel (each sees at most W keys);
+    full layers keep torch's fused SDPA, which shares each key across a chunk's
+    queries."""
+    if sliding_window is None:
+        return paged_attention_torch(q, k_cache, v_cache, batch, sliding_window, sinks, kv_scales)
+    page_start, kv_len = batch.query_keys
+    return torch.ops.swallow_cpu.paged_decode_attention(q, k_cache, v_cache, batch.kv_table, page_start,
+                                                        batch.page_size, kv_len, batch.q_pos, sliding_window,
+                                                        sinks, kv_scales)
+
+
+def routed_experts_cpu(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
+                       down: torch.Tensor) -> torch.Tensor:
+    """``RoutedExperts`` on float32 CPU tensors: x [T, H], weights and expert_ids
+    [T, K], gate_up [E, 2I, H], down [E, H, I]. Fastest with the experts in
+    k-major memory (``layers.k_major``), as the CPU loader stores them."""
+    return torch.ops.swallow_cpu.routed_experts(x, weights, expert_ids, gate_up, down)
+
+
+if __name__ == "__main__":  # `python -m llm_core.cpu_kernels`: build ahead of the first engine
+    print("C++ CPU kernels:", "built" if available() else "unavailable (the torch paths are used)")
