@@ -62,6 +62,11 @@ class EngineUnavailable(RuntimeError):
 
 # Posted to a request's queue once the engine has accepted it.
 _ADMITTED = object()
+_SUNK_LAST = object()  # a sink stream's final event went to its sink: the stream ends
+
+# Where a stream's admission (None) and tokens go instead of its queue, called
+# on the stream's event loop in the step's one callback.
+Sink = Callable[["StreamEvent | None"], None]
 
 
 class Detokenizer(Protocol):
@@ -91,6 +96,7 @@ class _Handle:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Any]  # _ADMITTED, then StreamEvents; or an exception
     text: Detokenizer | None = None  # touched on the engine thread only, once admitted
+    sink: Sink | None = None
     request_id: int | None = None
     finished: bool = False
     export_kv: bool = False
@@ -178,14 +184,20 @@ class AsyncEngine:
         params: SamplingParams,
         spans: Sequence[MultimodalSpan] = (),
         text: Detokenizer | None = None,
+        sink: Sink | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         """Admit a request and return its token stream. Everything the engine checks
         (lengths, KV pool, spans, vocabulary) is refused here, as ``ValueError``,
         before any token -- so a server can still answer it with a 400. Closing
         the stream early (or cancelling the task reading it) aborts the request
         and frees its KV. ``text`` is the request's detokenizer, from then on used
-        by the engine thread alone."""
-        stream = self._stream(prompt_ids, params, spans, text)
+        by the engine thread alone.
+
+        With ``sink``, the admission (as None, before ``open`` returns) and every
+        event go to ``sink`` instead, in the callback that settles the step: no
+        task wakes per request and step. The stream then yields nothing; it ends
+        after the final event, or raises the request's failure."""
+        stream = self._stream(prompt_ids, params, spans, text, sink=sink)
         await stream.__anext__()  # the admission; from here the stream is started, so closing it aborts
         return stream  # type: ignore[return-value]  # yields only StreamEvents from now on
 
@@ -199,11 +211,13 @@ class AsyncEngine:
 
     async def open_prefilled(self, reservation: KVReservation, prompt_ids: list[int], params: SamplingParams,
                              prefilled: PrefilledKV, blob: torch.Tensor, spans: Sequence[MultimodalSpan] = (),
-                             text: Detokenizer | None = None) -> AsyncGenerator[StreamEvent, None]:
+                             text: Detokenizer | None = None, sink: Sink | None = None
+                             ) -> AsyncGenerator[StreamEvent, None]:
         """``open`` for a request prefilled elsewhere: ``blob`` fills the
         reservation, and the stream starts at the first token (ValueError if
         it does not fit the reservation, which is then still held)."""
-        stream = self._stream(prompt_ids, params, spans, text, prefilled=_Prefilled(reservation, prefilled, blob))
+        stream = self._stream(prompt_ids, params, spans, text, prefilled=_Prefilled(reservation, prefilled, blob),
+                              sink=sink)
         await stream.__anext__()
         return stream  # type: ignore[return-value]
 
@@ -268,10 +282,11 @@ class AsyncEngine:
         text: Detokenizer | None,
         export_kv: bool = False,
         prefilled: _Prefilled | None = None,
+        sink: Sink | None = None,
     ) -> AsyncGenerator[StreamEvent | None, None]:
         if self._pending >= self.max_pending:
             raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
-        handle = _Handle(asyncio.get_running_loop(), asyncio.Queue(), text, export_kv=export_kv)
+        handle = _Handle(asyncio.get_running_loop(), asyncio.Queue(), text, sink, export_kv=export_kv)
         self._pending += 1
         self._send(_Add(handle, prompt_ids, params, tuple(spans), prefilled))
         try:
@@ -283,6 +298,9 @@ class AsyncEngine:
                 if item is _ADMITTED:
                     yield None
                     continue
+                if item is _SUNK_LAST:
+                    handle.finished = True
+                    return
                 yield item
                 if item.finish_reason is not None:
                     handle.finished = True
@@ -454,7 +472,7 @@ class AsyncEngine:
     def _post(handle: _Handle, item: Any) -> None:
         """One item at once (admissions, refusals, failures: not a step's tokens)."""
         try:
-            handle.loop.call_soon_threadsafe(handle.events.put_nowait, item)
+            handle.loop.call_soon_threadsafe(_settle, [(handle, item)])
         except RuntimeError:
             pass  # that request's event loop is gone
 
@@ -475,4 +493,15 @@ class AsyncEngine:
 
 def _settle(items: list[tuple[_Handle, Any]]) -> None:
     for handle, item in items:
-        handle.events.put_nowait(item)
+        if handle.sink is None or isinstance(item, BaseException):
+            handle.events.put_nowait(item)
+            continue
+        try:
+            handle.sink(None if item is _ADMITTED else item)
+        except Exception as exc:  # noqa: BLE001 - the sink's failure ends its own stream only
+            handle.events.put_nowait(RequestFailed(f"delivering the request's output failed: {exc}"))
+            continue
+        if item is _ADMITTED:
+            handle.events.put_nowait(item)  # ``open`` returns
+        elif item.finish_reason is not None:
+            handle.events.put_nowait(_SUNK_LAST)

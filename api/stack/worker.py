@@ -45,7 +45,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api.engine_loop import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
+from api.engine_loop import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed, Sink, StreamEvent
 from api.metrics import ServerMetrics
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
@@ -243,16 +243,19 @@ class WorkerService:
     # ------------------------------------------------------------ requests
     async def _serve_request(self, identity: bytes, submit: m.Submit) -> None:
         rid = submit.request_id
+
+        def sink(event: StreamEvent | None) -> None:  # on this loop, in the step's one callback
+            self.outbox.put(identity, m.Admitted(rid) if event is None else _tokens_message(rid, event))
+
         try:
             try:
-                stream = await self._admit(submit)
+                stream = await self._admit(submit, sink)
             except (ValueError, MissingEmbedding, EngineOverloaded, EngineUnavailable, RequestFailed) as exc:
                 self.outbox.put(identity, m.Refused(rid, _refusal_status(exc), str(exc)))
                 return
             try:
-                self.outbox.put(identity, m.Admitted(rid))
-                async for event in stream:
-                    self.outbox.put(identity, _tokens_message(rid, event))
+                async for _ in stream:  # tokens went to the sink: this waits for the end or a failure
+                    pass
             except (RequestFailed, EngineUnavailable) as exc:
                 self.outbox.put(identity, m.Failed(rid, 500 if isinstance(exc, RequestFailed) else 503, str(exc)))
             finally:
@@ -262,13 +265,13 @@ class WorkerService:
             if held is not None and held[1] is asyncio.current_task():
                 del self.requests[rid]
 
-    async def _admit(self, submit: m.Submit) -> Any:
+    async def _admit(self, submit: m.Submit, sink: Sink) -> Any:
         if submit.incarnation != self.incarnation:
             raise EngineUnavailable(f"worker {self.config.worker_id} restarted since this request was routed to it")
         params, prompt, spans = await self._request(submit.sampling, submit.prompt_ids, submit.spans)
         if submit.prefill_by:
-            return await self._admit_prefilled(submit, params, prompt, spans)
-        return await self.engine.open(prompt, params, spans)
+            return await self._admit_prefilled(submit, params, prompt, spans, sink)
+        return await self.engine.open(prompt, params, spans, sink=sink)
 
     async def _request(self, sampling: m.SamplingSpec, prompt_ids: list[int],
                        refs: Sequence[m.SpanSpec]) -> tuple[SamplingParams, list[int], list[MultimodalSpan]]:
@@ -281,20 +284,21 @@ class WorkerService:
 
     # ------------------------------------------- disaggregation: decode side
     async def _admit_prefilled(self, submit: m.Submit, params: SamplingParams, prompt: list[int],
-                               spans: list[MultimodalSpan]) -> Any:
+                               spans: list[MultimodalSpan], sink: Sink) -> Any:
         """The request's stream from its first token, over KV a prefill worker
         sends into slots reserved first; prefilled here if that fails."""
         reservation = await self.engine.call(lambda llm: llm.reserve_kv(len(prompt), params.max_tokens))
         if reservation is None:
             self.disagg["no_room"] += 1  # no room to hold its KV now: it queues here like any request
-            return await self.engine.open(prompt, params, spans)
+            return await self.engine.open(prompt, params, spans, sink=sink)
         held = True
         try:
             received = await self._receive_kv(submit, reservation)
             if received is not None:
                 prefilled, blob, slot = received
                 try:
-                    stream = await self.engine.open_prefilled(reservation, prompt, params, prefilled, blob, spans)
+                    stream = await self.engine.open_prefilled(reservation, prompt, params, prefilled, blob, spans,
+                                                               sink=sink)
                     held = False
                     self.disagg["received"] += 1
                     return stream
@@ -307,7 +311,7 @@ class WorkerService:
             if held:
                 self.engine.post(lambda llm: llm.cancel_reservation(reservation))
         self.disagg["fallbacks"] += 1
-        return await self.engine.open(prompt, params, spans)
+        return await self.engine.open(prompt, params, spans, sink=sink)
 
     def _transport(self, name: str) -> KVTransport:
         transport = self._transports.get(name)
