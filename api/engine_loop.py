@@ -61,6 +61,9 @@ class EngineUnavailable(RuntimeError):
 
 
 # Posted to a request's queue once the engine has accepted it.
+# An inline engine's event-loop turns between steps (``AsyncEngine.run_inline``).
+LOOP_TURNS_PER_STEP = 3
+
 _ADMITTED = object()
 _SUNK_LAST = object()  # a sink stream's final event went to its sink: the stream ends
 
@@ -145,10 +148,17 @@ class AsyncEngine:
         *,
         max_pending: int = 256,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        inline: bool = False,
     ) -> None:
         """``max_pending``: requests admitted but unfinished before new ones get
         ``EngineOverloaded``. ``on_step(stats)`` runs on the engine thread after
-        steps (at most every 0.5 s), for metrics."""
+        steps (at most every 0.5 s), for metrics.
+
+        ``inline``: no engine thread; ``run_inline`` steps the engine on the event
+        loop's own thread, the loop's I/O between steps. For an engine-core
+        process, whose loop has nothing to do while a step runs: a second
+        thread would only contend with the steps for the GIL (measured: decode
+        steps 40% slower, prefill steps 80%, beside the loop's per-step sends)."""
         self.llm = llm
         self.max_pending = max_pending
         self._on_step = on_step
@@ -160,8 +170,12 @@ class AsyncEngine:
         self._staged: list[tuple[_Handle, Any]] = []  # engine thread: this step's deliveries, posted together
         self._stats: dict[str, Any] = llm.stats()
         self._last_stats = 0.0
-        self._thread = threading.Thread(target=self._run, name="swallow-engine", daemon=True)
-        self._thread.start()
+        self._inline = inline
+        self._inline_wake: asyncio.Event | None = None  # inline: set by every command
+        self._thread: threading.Thread | None = None
+        if not inline:
+            self._thread = threading.Thread(target=self._run, name="swallow-engine", daemon=True)
+            self._thread.start()
 
     # -- event-loop side -------------------------------------------------------
 
@@ -312,34 +326,59 @@ class AsyncEngine:
 
     def close(self) -> None:
         self._send(None)
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
     def _send(self, command: _Add | _Abort | _Flush | _Call | None) -> None:
         self._commands.put(command)
         self._wake.set()
+        if self._inline_wake is not None:
+            self._inline_wake.set()
+
+    async def run_inline(self) -> None:
+        """The engine loop of an ``inline`` engine, on the calling event loop until
+        ``close``. Between steps the loop runs ``LOOP_TURNS_PER_STEP`` turns: the
+        step's outputs (queued by deliveries called directly, in order) go out,
+        and a request that arrived during the step gets from its socket to the
+        engine's queue (a read, then its task: a turn each) before the next."""
+        assert self._inline, "run_inline is for an AsyncEngine made with inline=True"
+        self._inline_wake = asyncio.Event()
+        while (state := self._turn()) != "stop":
+            if state == "idle":
+                await self._inline_wake.wait()
+                self._inline_wake.clear()
+                continue
+            for _ in range(LOOP_TURNS_PER_STEP):
+                await asyncio.sleep(0)
 
     # -- engine thread ---------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            try:
-                if not self._drain():
-                    return
-                if self._broken is not None or not self.llm.engine.has_unfinished():
-                    self._publish_stats(force=True)
-                    self._wake.wait(timeout=1.0)
-                    self._wake.clear()
-                    continue
-                for event in self.llm.step():
-                    self._deliver(event)  # inside: a stop string's abort is engine work too
-                self._post_staged()
-            except Exception as exc:  # noqa: BLE001 - no request explains it: start over
-                self._post_staged()
-                log.exception("engine step failed; every request in flight is lost and the engine is rebuilt")
-                self._fail_all(EngineUnavailable(f"the engine failed ({type(exc).__name__}: {exc}); retry"))
-                self._restart()
-                continue
-            self._publish_stats(force=False)
+        while (state := self._turn()) != "stop":
+            if state == "idle":
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+
+    def _turn(self) -> str:
+        """One pass of the engine loop: "stop" once asked to, "idle" with nothing
+        to step, else "stepped"."""
+        try:
+            if not self._drain():
+                return "stop"
+            if self._broken is not None or not self.llm.engine.has_unfinished():
+                self._publish_stats(force=True)
+                return "idle"
+            for event in self.llm.step():
+                self._deliver(event)  # inside: a stop string's abort is engine work too
+            self._post_staged()
+        except Exception as exc:  # noqa: BLE001 - no request explains it: start over
+            self._post_staged()
+            log.exception("engine step failed; every request in flight is lost and the engine is rebuilt")
+            self._fail_all(EngineUnavailable(f"the engine failed ({type(exc).__name__}: {exc}); retry"))
+            self._restart()
+            return "stepped"
+        self._publish_stats(force=False)
+        return "stepped"
 
     def _drain(self) -> bool:
         """Apply queued commands; False once asked to stop."""
@@ -428,6 +467,9 @@ class AsyncEngine:
             by_loop.setdefault(handle.loop, []).append((handle, item))
         self._staged = []
         for loop, items in by_loop.items():
+            if self._inline:
+                _settle(items)  # on that loop's thread already, after every earlier post
+                continue
             try:
                 loop.call_soon_threadsafe(_settle, items)
             except RuntimeError:
@@ -468,9 +510,11 @@ class AsyncEngine:
         self._broken = None
         self._publish_stats(force=True)
 
-    @staticmethod
-    def _post(handle: _Handle, item: Any) -> None:
+    def _post(self, handle: _Handle, item: Any) -> None:
         """One item at once (admissions, refusals, failures: not a step's tokens)."""
+        if self._inline:
+            _settle([(handle, item)])
+            return
         try:
             handle.loop.call_soon_threadsafe(_settle, [(handle, item)])
         except RuntimeError:

@@ -108,7 +108,9 @@ class WorkerService:
         self.events = KVEventLog()
         self.llm = LLM(config.model_dir, kv_events=self.events if config.kv_events else None,
                        **config.engine_options)
-        self.engine = AsyncEngine(self.llm, max_pending=config.max_pending)
+        # The engine steps on the worker's event loop (``serve``): the loop only
+        # moves messages, which it does between steps.
+        self.engine = AsyncEngine(self.llm, max_pending=config.max_pending, inline=True)
         # The encoders create the store (with its size); a worker only attaches, once there is one.
         self.store: SharedEmbeddingStore | None = None
         self.embeddings: EmbeddingCache = embedding_cache(None, config.embedding_peers, config.embedding_node)
@@ -140,7 +142,8 @@ class WorkerService:
         config = self.config
         self._service = ServiceSocket(config.host, config.port, config.health_port, self._http_routes(),
                                       config.ipc_path)
-        chores = [self._receive(), every(EVENT_INTERVAL_S, self._publish_events, "sending KV events"),
+        chores = [self.engine.run_inline(), self._receive(),
+                  every(EVENT_INTERVAL_S, self._publish_events, "sending KV events"),
                   every(1.0, self._forget_silent_peers, "checking peers"),
                   keep_ring_fresh(self.embeddings, config.embedding_peers)]
         where = f"ipc://{config.ipc_path}" if config.ipc_path else f"tcp://{config.host}:{config.port}"

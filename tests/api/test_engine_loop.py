@@ -246,3 +246,54 @@ def test_text_is_decoded_on_the_engine_thread_and_a_stop_string_ends_the_request
         _wait_for(lambda: _idle_at_capacity(engine))
     finally:
         engine.close()
+
+
+def test_an_inline_engine_steps_on_the_event_loop_and_sinks_in_order(tiny_checkpoint: Path) -> None:
+    """``inline=True`` (an engine-core process): no engine thread; ``run_inline``
+    steps on the loop. Sinks see the admission first, then every token, and the
+    loop still serves other work between steps; a cancelled stream is freed."""
+    prompts = [list(range(10, 10 + n)) for n in (5, 40, 17, 90)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(tiny_checkpoint).generate(prompts, params)]
+    engine = AsyncEngine(LLM(tiny_checkpoint, enable_prefix_caching=False), inline=True)
+    assert engine._thread is None
+
+    async def sunk(prompt: list[int]) -> list[object]:
+        seen: list[object] = []
+        stream = await engine.open(prompt, params, sink=lambda e: seen.append("admitted" if e is None else e.token))
+        assert seen[:1] == ["admitted"]  # first, before open returns (tokens may follow already)
+        async for _ in stream:
+            raise AssertionError("a sink stream yields nothing")
+        return seen
+
+    async def main() -> tuple[list[list[object]], int]:
+        runner = asyncio.create_task(engine.run_inline())
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        got = await asyncio.gather(*(sunk(p) for p in prompts))
+        long = asyncio.create_task(_collect(engine, list(range(5, 30)), SamplingParams(max_tokens=5000,
+                                                                                        ignore_eos=True)))
+        await asyncio.sleep(0.2)
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if _idle_at_capacity(engine):
+                break
+        ticker.cancel()
+        engine.close()
+        await asyncio.wait_for(runner, 10)
+        return got, ticks
+
+    got, ticks = _run(main())
+    assert [seen[1:] for seen in got] == expected
+    assert ticks > 20  # the loop ran its other tasks between the steps
+    assert _idle_at_capacity(engine) and engine.pending == 0
