@@ -14,6 +14,8 @@
 // through a 256-entry table of its e4m3 value.
 #include <torch/extension.h>
 #include <torch/library.h>
+
+#include "fast_exp.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 
@@ -32,27 +34,9 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // keys per block: scores, then one vectorised pass of exps
 
-// exp(x) for x <= 0 to ~2 ulp: 2^(x log2 e) split into integer and fraction,
-// the fraction through a degree-6 polynomial. Plain arithmetic, so a simd loop
-// vectorises it (std::exp does not without -ffast-math).
+// exp(x) for x <= 0, clamped in the base-2 domain (fast_exp.h).
 inline float exp_nonpositive(float x) {
-  // Clamped in the base-2 domain: 2^-126 is the smallest normal float, so the
-  // exponent bits below stay valid (clamping x itself at -126 would let the
-  // exponent underflow into the sign bit: a huge negative "probability").
-  const float t = std::max(x * 1.4426950408889634f, -126.0f);
-  const float whole = std::floor(t);
-  const float f = t - whole;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return swallow_cpu::pow2_normal(std::max(x * swallow_cpu::kLog2E, -126.0f));
 }
 
 // The e4m3 value of every byte, exact in float.

@@ -10,6 +10,8 @@
 // never on the batch around it.
 #include <torch/extension.h>
 #include <torch/library.h>
+
+#include "fast_exp.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -29,24 +31,9 @@ inline lanes load(const float* p) {
   return v;
 }
 
-// exp(x) to ~2 ulp over float's range: 2^(x log2 e) split into integer and
-// fraction, the fraction through a degree-6 polynomial. Plain arithmetic, so
-// the SiLU loop vectorises (std::exp does not without -ffast-math).
+// exp(x) over float's range (fast_exp.h): the SiLU loop vectorises.
 inline float exp_approx(float x) {
-  const float t = std::min(std::max(x * 1.4426950408889634f, -126.0f), 127.0f);
-  const float whole = std::floor(t);
-  const float f = t - whole;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return swallow_cpu::pow2_normal(std::min(std::max(x * swallow_cpu::kLog2E, -126.0f), 127.0f));
 }
 
 inline void store(float* p, lanes v) { std::memcpy(p, &v, sizeof(v)); }
