@@ -60,10 +60,10 @@ class EngineUnavailable(RuntimeError):
     shutting down; a caller should answer 503."""
 
 
-# Posted to a request's queue once the engine has accepted it.
 # An inline engine's event-loop turns between steps (``AsyncEngine.run_inline``).
 LOOP_TURNS_PER_STEP = 3
 
+# Posted to a request's queue once the engine has accepted it.
 _ADMITTED = object()
 _SUNK_LAST = object()  # a sink stream's final event went to its sink: the stream ends
 

@@ -194,10 +194,16 @@ class RoutedExperts(nn.Module):
         return out
 
 
+def empty_k_major(experts: int, rows: int, k: int, *, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """An uninitialised [E, rows, k] tensor stored as [E, k, rows]: the layout
+    the C++ experts kernel reads each expert's product in."""
+    return torch.empty(experts, k, rows, dtype=dtype, device=device).transpose(1, 2)
+
+
 def k_major(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [E, rows, k] unchanged in value, stored as [E, k, rows]: the
-    layout the C++ experts kernel reads each expert's product in."""
-    return weight.transpose(1, 2).contiguous().transpose(1, 2)
+    """``weight`` [E, rows, k] unchanged in value, in ``empty_k_major``'s layout."""
+    return empty_k_major(*weight.shape, dtype=weight.dtype, device=weight.device).copy_(weight)
 
 
 def _cpu_kernel_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:

@@ -53,7 +53,7 @@ from llm_core.config import AttentionSpec, ConfigError, ModelConfig
 from llm_core.expert_parallel import ExpertParallel
 from llm_core.fp8 import Fp8Scheme, block_scale_rows, dequantize, never_quantized, quantize_blockwise, read_fp8_scheme
 from llm_core.fp8_linear import Fp8Linear, Fp8RoutedExperts, fp8_gemm_supported, resident_weight_bytes
-from llm_core.layers import RoutedExperts, SparseMoE, k_major
+from llm_core.layers import RoutedExperts, SparseMoE, empty_k_major
 from llm_core.model import Attention, MiMoV2ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -378,10 +378,10 @@ class _Loader:
             fp8 = False  # some experts float: dequantize all
         local = len(plans)
         if not fp8:
-            gate_up = torch.empty(local, 2 * intermediate, hidden, dtype=self.dtype, device=self.device)
-            down = torch.empty(local, hidden, intermediate, dtype=self.dtype, device=self.device)
-            if _cpu_experts_kernel(self.device, self.dtype):
-                gate_up, down = k_major(gate_up), k_major(down)  # the layout the C++ experts kernel reads
+            # The CPU kernel's layout where it runs (filled in place below, so no copy).
+            empty = empty_k_major if _cpu_experts_kernel(self.device, self.dtype) else torch.empty
+            gate_up = empty(local, 2 * intermediate, hidden, dtype=self.dtype, device=self.device)
+            down = empty(local, hidden, intermediate, dtype=self.dtype, device=self.device)
             for i, (gu, d) in enumerate(plans):
                 gate_up[i] = _read(self.reader, gu).dense()
                 down[i] = _read(self.reader, d).dense()
