@@ -4,12 +4,17 @@
   table. The torch decode path gathers every request's keys into a [B, keys,
   heads, dim] copy and reads it again: three passes over the KV memory a step
   reads, and most of a CPU decode step. The kernel reads K/V once.
+* ``paged_extend_attention``: a mixed batch's attention (prefill chunks and
+  decode rows), full and sliding layers alike. A block of a request's query
+  rows shares each tile of its keys, gathered once, where running each row
+  through the decode kernel paid per row, and torch's fused SDPA (for full
+  layers) runs slowly at these head sizes.
 * ``routed_experts``: a MoE layer's experts over only the tokens routed to
   each (float32). Traced forwards otherwise compute every expert on every
   token (static shapes), ``experts / top_k`` times the work, and the eager
   grouped products pay tens of microseconds of dispatch per expert.
 
-Both are ops of a C++ library (not Python custom ops), so a compiled forward
+All are ops of a C++ library (not Python custom ops), so a compiled forward
 calls each as one opaque node without entering Python. They are built on first
 use (``python -m llm_core.cpu_kernels`` builds them ahead); where they cannot be
 (no compiler) ``available`` is False and the torch paths are used.
@@ -22,9 +27,9 @@ from functools import cache
 import torch
 
 from llm_core import native
-from llm_core.paged_attention import PagedBatch, attention_output, paged_attention_torch
+from llm_core.paged_attention import PagedBatch, attention_output
 
-_SOURCES = ("paged_decode_attention.cpp", "routed_experts.cpp")
+_SOURCES = ("paged_decode_attention.cpp", "paged_extend_attention.cpp", "routed_experts.cpp")
 
 
 @cache
@@ -32,6 +37,7 @@ def available() -> bool:
     if native.build("swallow_cpu_kernels", _SOURCES, "CPU kernels", ops_library=True) is None:
         return False
     torch.library.register_fake("swallow_cpu::paged_decode_attention")(attention_output)
+    torch.library.register_fake("swallow_cpu::paged_extend_attention")(attention_output)
     torch.library.register_fake("swallow_cpu::routed_experts")(_experts_output)
     return True
 
@@ -66,15 +72,11 @@ def paged_attention_cpu(
     sinks: torch.Tensor | None,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Drop-in for ``paged_attention_torch`` on CPU tensors. Sliding-window
-    layers run every query row through the kernel (each sees at most W keys);
-    full layers keep torch's fused SDPA, which shares each key across a chunk's
-    queries."""
-    if sliding_window is None:
-        return paged_attention_torch(q, k_cache, v_cache, batch, sliding_window, sinks, kv_scales)
-    page_start, kv_len = batch.query_keys
-    return torch.ops.swallow_cpu.paged_decode_attention(q, k_cache, v_cache, batch.kv_table, page_start,
-                                                        batch.page_size, kv_len, batch.q_pos, sliding_window,
+    """Drop-in for ``paged_attention_torch`` on CPU tensors: each block of a
+    request's query rows shares every tile of keys it sees (csrc/paged_extend_attention.cpp)."""
+    assert batch.host_bounds is not None, "a PagedBatch built by build/from_block_table carries host_bounds"
+    return torch.ops.swallow_cpu.paged_extend_attention(q, k_cache, v_cache, batch.kv_table, batch.page_size,
+                                                        batch.host_bounds, batch.q_pos, sliding_window or 0,
                                                         sinks, kv_scales)
 
 

@@ -603,7 +603,7 @@ def _paged_attention_op(
 ) -> torch.Tensor:
     rows = bounds.tolist()
     batch = PagedBatch(q_pos, q_start, q_len, kv_table, kv_start, kv_len, kv_first_pos, q_pos, page_size,
-                       tuple((r[0], r[1]) for r in rows), tuple((r[2], r[3], r[4]) for r in rows))
+                       tuple((r[0], r[1]) for r in rows), tuple((r[2], r[3], r[4]) for r in rows), bounds)
     return attention_named(kernel)(q, k_cache, v_cache, batch, sliding_window or None, sinks, kv_scales)
 
 
@@ -638,7 +638,10 @@ def traced_paged_attention(
 ) -> torch.Tensor:
     """A mixed batch's attention as one opaque op of a compiled forward: its
     per-request bounds travel as a CPU tensor, so no value of them is guarded.
-    ``kernel``: the ``__name__`` of the attention function to run."""
+    ``kernel``: the ``__name__`` of the attention function to run. The C++
+    CPU kernel is an op of its own, called without entering Python."""
+    if kernel == "paged_attention_cpu":
+        return attention_named(kernel)(q, k_cache, v_cache, batch, sliding_window, sinks, kv_scales)
     return torch.ops.swallow.paged_attention(
         q, k_cache, v_cache, batch.q_pos, batch.q_start, batch.q_len, batch.kv_table, batch.kv_start, batch.kv_len,
         batch.kv_first_pos, batch.host_bounds, batch.page_size, sliding_window or 0, sinks, kernel, kv_scales,

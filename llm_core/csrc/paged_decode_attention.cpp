@@ -15,7 +15,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
-#include "fast_exp.h"
+#include "kv_values.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 
@@ -34,31 +34,9 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // keys per block: scores, then one vectorised pass of exps
 
-// exp(x) for x <= 0, clamped in the base-2 domain (fast_exp.h).
-inline float exp_nonpositive(float x) {
-  return swallow_cpu::pow2_normal(std::max(x * swallow_cpu::kLog2E, -126.0f));
-}
-
-// The e4m3 value of every byte, exact in float.
-const float* e4m3_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int b = 0; b < 256; ++b)
-      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
-    return t;
-  }();
-  return table.data();
-}
-
-// One element of a K or V row as float: the pool's own dtype, or an e4m3 byte.
-template <typename kv_t>
-struct KVElement {
-  static inline float at(const kv_t* row, int64_t c, const float*) { return static_cast<float>(row[c]); }
-};
-template <>
-struct KVElement<uint8_t> {
-  static inline float at(const uint8_t* row, int64_t c, const float* table) { return table[row[c]]; }
-};
+using swallow_cpu::e4m3_table;
+using swallow_cpu::exp_nonpositive;
+using swallow_cpu::KVElement;
 
 #ifdef __AVX512F__
 // float32 queries over float32 pools with AVX-512: each key's dot products

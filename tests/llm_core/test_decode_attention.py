@@ -179,3 +179,95 @@ def test_cpu_extend_attention_rows_do_not_depend_on_the_batch() -> None:
     single = PagedBatch.build([(30, 37)], [batch.key_slots(3)], [0], [batch.write_slots[rows]], "cpu")
     alone = cpu_kernels.paged_attention_cpu(q[rows], k_cache, v_cache, single, 9, sinks)
     assert torch.equal(alone, together[rows])
+
+
+def _one_long_request(first_query: int, queries: int, keys_from: int, seed: int = 3
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Pools holding one request's keys (positions keys_from .. first_query +
+    queries - 1) in shuffled slots, NaN elsewhere; its queries; its key slots."""
+    gen = torch.Generator().manual_seed(seed)
+    n_keys = first_query + queries - keys_from
+    slots = torch.randperm(n_keys + 40, generator=gen)[:n_keys].tolist()
+    k_cache = torch.full((n_keys + 40, 2, 48), float("nan"))
+    v_cache = torch.full((n_keys + 40, 2, 32), float("nan"))
+    k_cache[slots] = torch.randn(n_keys, 2, 48, generator=gen)
+    v_cache[slots] = torch.randn(n_keys, 2, 32, generator=gen)
+    return torch.randn(queries, 4, 48, generator=gen), k_cache, v_cache, slots
+
+
+@pytest.mark.parametrize("window", [None, 33, 129])
+@pytest.mark.parametrize("keys_from", [0, 90])
+def test_cpu_extend_attention_over_many_key_tiles_matches_the_torch_path(window: int | None, keys_from: int) -> None:
+    """A chunk longer than the kernel's row block and key tile (150 queries
+    after a 120-token prefix), keys trimmed to start mid-way as SWA pools keep them."""
+    from llm_core import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    if window is None and keys_from:
+        pytest.skip("full layers keep every key")
+    q, k_cache, v_cache, slots = _one_long_request(120, 150, keys_from)
+    batch = PagedBatch.build([(120, 150), (0, 1)], [slots, slots[:1]], [keys_from, keys_from],
+                             [slots[-150:], slots[:1]], "cpu")
+    q = torch.cat([q, q[:1]])
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(9))
+    ref = paged_attention_torch(q, k_cache, v_cache, batch, window, sinks)
+    out = cpu_kernels.paged_attention_cpu(q, k_cache, v_cache, batch, window, sinks)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 33])
+def test_cpu_extend_attention_rows_do_not_depend_on_the_chunking(window: int | None) -> None:
+    """A prompt prefilled in one chunk or in two (split anywhere, the second
+    seeing the first's keys from the pool): every query row the same bits."""
+    from llm_core import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    q, k_cache, v_cache, slots = _one_long_request(0, 200, 0)
+    whole = PagedBatch.build([(0, 200)], [slots], [0], [slots], "cpu")
+    reference = cpu_kernels.paged_attention_cpu(q, k_cache, v_cache, whole, window, None)
+    for split in (1, 37, 64, 130):
+        first = PagedBatch.build([(0, split)], [slots[:split]], [0], [slots[:split]], "cpu")
+        second = PagedBatch.build([(split, 200 - split)], [slots], [0], [slots[split:]], "cpu")
+        parts = torch.cat([cpu_kernels.paged_attention_cpu(q[:split], k_cache, v_cache, first, window, None),
+                           cpu_kernels.paged_attention_cpu(q[split:], k_cache, v_cache, second, window, None)])
+        assert torch.equal(parts, reference), f"split at {split}"
+
+
+@pytest.mark.parametrize("pool", ["bf16", "fp8"])
+@pytest.mark.parametrize("window", [None, 9])
+def test_cpu_extend_attention_reads_bf16_and_fp8_pools(pool: str, window: int | None) -> None:
+    """Pools stored narrower than the float32 queries read as their values:
+    equal to the kernel over float32 pools holding exactly those values."""
+    from llm_core import cpu_kernels
+    from llm_core.fp8 import FP8_DTYPE
+    from llm_core.paged_attention import dequantize_kv, quantize_kv
+    from tests.llm_core.attention_cases import MIXED, make_case
+
+    if not cpu_kernels.available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    q, k_cache, v_cache, batch, sinks = make_case(MIXED, 4, 2, 48, 32, torch.float32, True, "cpu")
+    if pool == "bf16":
+        scales = None
+        k_pool, v_pool = k_cache.bfloat16(), v_cache.bfloat16()
+        k_ref, v_ref = k_pool.float(), v_pool.float()
+    else:
+        scales = torch.tensor([0.05, 0.02])
+        k_pool, v_pool = quantize_kv(k_cache, scales[0], FP8_DTYPE), quantize_kv(v_cache, scales[1], FP8_DTYPE)
+        k_ref, v_ref = dequantize_kv(k_pool, scales[0], torch.float32), dequantize_kv(v_pool, scales[1], torch.float32)
+    out = cpu_kernels.paged_attention_cpu(q, k_pool, v_pool, batch, window, sinks, scales)
+    ref = paged_attention_torch(q, k_ref, v_ref, batch, window, sinks)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_extend_attention_refuses_bounds_outside_its_tensors() -> None:
+    from llm_core import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    q, k_cache, v_cache, slots = _one_long_request(0, 8, 0)
+    bounds = torch.tensor([[0, 9, 0, 8, 0]])  # 9 query rows, 8 in q
+    with pytest.raises(RuntimeError, match="bounds fall outside"):
+        torch.ops.swallow_cpu.paged_extend_attention(q, k_cache, v_cache, torch.tensor(slots), 1, bounds,
+                                                     torch.arange(8), 0, None, None)
