@@ -39,7 +39,7 @@ from llm_core.engine import TokenEvent
 
 __all__ = [
     "AsyncEngine", "Detokenizer", "EngineOverloaded", "EngineUnavailable", "RequestFailed",
-    "StreamEvent",
+    "StreamEvent", "Submission",
 ]
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ class _Handle:
     request_id: int | None = None
     finished: bool = False
     export_kv: bool = False
+    released: bool = False  # its caller let go: counted out of ``pending``, aborted unless finished
 
 
 @dataclass(frozen=True)
@@ -211,17 +212,13 @@ class AsyncEngine:
         event go to ``sink`` instead, in the callback that settles the step: no
         task wakes per request and step. The stream then yields nothing; it ends
         after the final event, or raises the request's failure."""
-        stream = self._stream(prompt_ids, params, spans, text, sink=sink)
-        await stream.__anext__()  # the admission; from here the stream is started, so closing it aborts
-        return stream  # type: ignore[return-value]  # yields only StreamEvents from now on
+        return await self.submit(prompt_ids, params, spans, text, sink).admitted()
 
     async def open_export(self, prompt_ids: list[int], params: SamplingParams,
                           spans: Sequence[MultimodalSpan] = ()) -> AsyncGenerator[StreamEvent, None]:
         """``open`` for a prefill worker's request: it ends after its first
         token, whose event carries the request's packed KV (``exported``)."""
-        stream = self._stream(prompt_ids, params, spans, None, export_kv=True)
-        await stream.__anext__()
-        return stream  # type: ignore[return-value]
+        return await Submission(self, self._queue(prompt_ids, params, spans, None, export_kv=True)).admitted()
 
     async def open_prefilled(self, reservation: KVReservation, prompt_ids: list[int], params: SamplingParams,
                              prefilled: PrefilledKV, blob: torch.Tensor, spans: Sequence[MultimodalSpan] = (),
@@ -230,10 +227,19 @@ class AsyncEngine:
         """``open`` for a request prefilled elsewhere: ``blob`` fills the
         reservation, and the stream starts at the first token (ValueError if
         it does not fit the reservation, which is then still held)."""
-        stream = self._stream(prompt_ids, params, spans, text, prefilled=_Prefilled(reservation, prefilled, blob),
-                              sink=sink)
-        await stream.__anext__()
-        return stream  # type: ignore[return-value]
+        handle = self._queue(prompt_ids, params, spans, text, sink=sink,
+                             prefilled=_Prefilled(reservation, prefilled, blob))
+        return await Submission(self, handle).admitted()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, spans: Sequence[MultimodalSpan] = (),
+               text: Detokenizer | None = None, sink: Sink | None = None) -> Submission:
+        """``open`` in two halves: the request is queued for the engine now,
+        without awaiting anything (a caller on the event loop gets it into the
+        next step, where a task would start a loop turn later), and
+        ``Submission.admitted`` waits for the admission. The caller owns the
+        submission: ``admitted`` and its stream, or ``release``, let it go.
+        ``EngineOverloaded`` here, at once."""
+        return Submission(self, self._queue(prompt_ids, params, spans, text, sink=sink))
 
     def post(self, fn: Callable[[LLM], Any]) -> None:
         """``fn(llm)`` on the engine thread, not waited for (a clean-up that
@@ -288,7 +294,7 @@ class AsyncEngine:
         self._send(_Flush(resolve))
         return await done
 
-    async def _stream(
+    def _queue(
         self,
         prompt_ids: list[int],
         params: SamplingParams,
@@ -297,12 +303,23 @@ class AsyncEngine:
         export_kv: bool = False,
         prefilled: _Prefilled | None = None,
         sink: Sink | None = None,
-    ) -> AsyncGenerator[StreamEvent | None, None]:
+    ) -> _Handle:
         if self._pending >= self.max_pending:
             raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
         handle = _Handle(asyncio.get_running_loop(), asyncio.Queue(), text, sink, export_kv=export_kv)
         self._pending += 1
         self._send(_Add(handle, prompt_ids, params, tuple(spans), prefilled))
+        return handle
+
+    def _release(self, handle: _Handle) -> None:
+        if handle.released:
+            return
+        handle.released = True
+        self._pending -= 1
+        if not handle.finished:
+            self._send(_Abort(handle))
+
+    async def _stream(self, handle: _Handle) -> AsyncGenerator[StreamEvent | None, None]:
         try:
             while True:
                 item = await handle.events.get()
@@ -320,9 +337,7 @@ class AsyncEngine:
                     handle.finished = True
                     return
         finally:
-            self._pending -= 1
-            if not handle.finished:
-                self._send(_Abort(handle))
+            self._release(handle)
 
     def close(self) -> None:
         self._send(None)
@@ -340,7 +355,8 @@ class AsyncEngine:
         ``close``. Between steps the loop runs ``LOOP_TURNS_PER_STEP`` turns: the
         step's outputs (queued by deliveries called directly, in order) go out,
         and a request that arrived during the step gets from its socket to the
-        engine's queue (a read, then its task: a turn each) before the next."""
+        engine's queue (the read, then the receiving task, which ``submit``s
+        it: a turn each) before the next."""
         assert self._inline, "run_inline is for an AsyncEngine made with inline=True"
         self._inline_wake = asyncio.Event()
         while (state := self._turn()) != "stop":
@@ -533,6 +549,27 @@ class AsyncEngine:
                 self._on_step(self._stats)
             except Exception:  # noqa: BLE001 - metrics must never stop the engine
                 log.exception("engine stats callback failed")
+
+
+class Submission:
+    """A request queued for the engine (``AsyncEngine.submit``), not yet admitted."""
+
+    def __init__(self, engine: AsyncEngine, handle: _Handle) -> None:
+        self._engine = engine
+        self._handle = handle
+
+    async def admitted(self) -> AsyncGenerator[StreamEvent, None]:
+        """Wait for the admission; then the request's stream, as ``open`` returns
+        it (a refusal raises here, as ``ValueError`` and the like)."""
+        stream = self._engine._stream(self._handle)
+        await stream.__anext__()  # the admission; from here the stream is started, so closing it aborts
+        return stream  # type: ignore[return-value]  # yields only StreamEvents from now on
+
+    def release(self) -> None:
+        """Let the request go whether or not ``admitted`` ever ran (say, a task
+        cancelled before it started): it stops counting as pending, and the
+        engine drops it unless it has finished. Idempotent."""
+        self._engine._release(self._handle)
 
 
 def _settle(items: list[tuple[_Handle, Any]]) -> None:

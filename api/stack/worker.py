@@ -45,7 +45,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api.engine_loop import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed, Sink, StreamEvent
+from api.engine_loop import (
+    AsyncEngine,
+    EngineOverloaded,
+    EngineUnavailable,
+    RequestFailed,
+    Sink,
+    StreamEvent,
+    Submission,
+)
 from api.metrics import ServerMetrics
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
@@ -187,8 +195,7 @@ class WorkerService:
             return
         self.peers.seen(identity)
         if isinstance(message, m.Submit):
-            task = asyncio.create_task(self._serve_request(identity, message))
-            self.requests[message.request_id] = (identity, task)
+            self._start_request(identity, message)
         elif isinstance(message, m.Abort):
             held = self.requests.get(message.request_id)
             if held is not None and held[0] == identity:
@@ -244,15 +251,35 @@ class WorkerService:
         await self._send(identity, m.Flushed(message.token, self.stats(engine_stats)))
 
     # ------------------------------------------------------------ requests
-    async def _serve_request(self, identity: bytes, submit: m.Submit) -> None:
+    def _start_request(self, identity: bytes, submit: m.Submit) -> None:
+        """A plain request (no spans to read, no KV to receive) is queued for the
+        engine here, in the turn its message arrived: it makes the next step,
+        where a task of its own would start a loop turn later and often miss it."""
         rid = submit.request_id
 
         def sink(event: StreamEvent | None) -> None:  # on this loop, in the step's one callback
             self.outbox.put(identity, m.Admitted(rid) if event is None else _tokens_message(rid, event))
 
+        submission: Submission | None = None
+        if not submit.spans and not submit.prefill_by:
+            try:
+                self._check_incarnation(submit)
+                params, prompt = self._checked(submit.sampling, submit.prompt_ids)
+                submission = self.engine.submit(prompt, params, sink=sink)
+            except (ValueError, EngineOverloaded, EngineUnavailable) as exc:
+                self.outbox.put(identity, m.Refused(rid, _refusal_status(exc), str(exc)))
+                return
+        task = asyncio.create_task(self._serve_request(identity, submit, sink, submission))
+        if submission is not None:
+            task.add_done_callback(lambda _: submission.release())  # even if cancelled before it ran
+        self.requests[rid] = (identity, task)
+
+    async def _serve_request(self, identity: bytes, submit: m.Submit, sink: Sink,
+                             submission: Submission | None) -> None:
+        rid = submit.request_id
         try:
             try:
-                stream = await self._admit(submit, sink)
+                stream = await (submission.admitted() if submission is not None else self._admit(submit, sink))
             except (ValueError, MissingEmbedding, EngineOverloaded, EngineUnavailable, RequestFailed) as exc:
                 self.outbox.put(identity, m.Refused(rid, _refusal_status(exc), str(exc)))
                 return
@@ -268,9 +295,12 @@ class WorkerService:
             if held is not None and held[1] is asyncio.current_task():
                 del self.requests[rid]
 
-    async def _admit(self, submit: m.Submit, sink: Sink) -> Any:
+    def _check_incarnation(self, submit: m.Submit) -> None:
         if submit.incarnation != self.incarnation:
             raise EngineUnavailable(f"worker {self.config.worker_id} restarted since this request was routed to it")
+
+    async def _admit(self, submit: m.Submit, sink: Sink) -> Any:
+        self._check_incarnation(submit)
         params, prompt, spans = await self._request(submit.sampling, submit.prompt_ids, submit.spans)
         if submit.prefill_by:
             return await self._admit_prefilled(submit, params, prompt, spans, sink)
@@ -279,11 +309,15 @@ class WorkerService:
     async def _request(self, sampling: m.SamplingSpec, prompt_ids: list[int],
                        refs: Sequence[m.SpanSpec]) -> tuple[SamplingParams, list[int], list[MultimodalSpan]]:
         """A request's parameters, prompt and spans, checked (ValueError, MissingEmbedding)."""
+        params, prompt = self._checked(sampling, prompt_ids)
+        return params, prompt, await self._spans(refs)
+
+    def _checked(self, sampling: m.SamplingSpec, prompt_ids: list[int]) -> tuple[SamplingParams, list[int]]:
+        """A request's parameters and prompt, checked (ValueError)."""
         params = sampling.params()
         prompt = encode_prompt(prompt_ids, None, self.llm.config.vocab_size, self.llm.model_dir)
-        spans = await self._spans(refs)
         self.llm.check_length(len(prompt), params.max_tokens)
-        return params, prompt, spans
+        return params, prompt
 
     # ------------------------------------------- disaggregation: decode side
     async def _admit_prefilled(self, submit: m.Submit, params: SamplingParams, prompt: list[int],

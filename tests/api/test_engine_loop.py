@@ -297,3 +297,55 @@ def test_an_inline_engine_steps_on_the_event_loop_and_sinks_in_order(tiny_checkp
     assert [seen[1:] for seen in got] == expected
     assert ticks > 20  # the loop ran its other tasks between the steps
     assert _idle_at_capacity(engine) and engine.pending == 0
+
+
+def test_submit_queues_a_request_for_the_very_next_step(tiny_checkpoint: Path) -> None:
+    """``submit`` awaits nothing: the engine's next turn admits and prefills the
+    request, with no loop turn between. ``admitted`` then hands over its stream."""
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    expected = LLM(tiny_checkpoint).generate([list(range(10, 30))], params)[0].token_ids
+    engine = AsyncEngine(LLM(tiny_checkpoint, enable_prefix_caching=False), inline=True)
+
+    async def main() -> list[int]:
+        seen: list[object] = []
+        submission = engine.submit(list(range(10, 30)), params,
+                                   sink=lambda e: seen.append("admitted" if e is None else e.token))
+        assert engine.pending == 1
+        assert engine._turn() == "stepped"  # no await since submit: admitted and prefilled already
+        assert seen == ["admitted", expected[0]]
+        stream = await submission.admitted()
+        while engine._turn() == "stepped":
+            pass
+        async for _ in stream:
+            raise AssertionError("a sink stream yields nothing")
+        submission.release()  # after the stream ended: nothing more to do
+        return seen[1:]
+
+    assert _run(main()) == expected
+    assert engine.pending == 0 and _idle_at_capacity(engine)
+    engine.close()
+
+
+def test_a_released_submission_is_dropped_whether_or_not_it_was_admitted(tiny_checkpoint: Path) -> None:
+    """``release`` without ``admitted`` (a task cancelled before it ran): the
+    request stops counting as pending and the engine drops it, freeing its KV."""
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    engine = AsyncEngine(LLM(tiny_checkpoint, enable_prefix_caching=False), inline=True)
+
+    async def main() -> None:
+        before = engine.submit(list(range(10, 30)), params)
+        before.release()  # before the engine saw it: queued behind its admission, aborted right after
+        assert engine.pending == 0
+        engine._turn()
+        running = engine.submit(list(range(10, 40)), params)
+        engine._turn()
+        assert engine.llm.stats()["running_requests"] == 1
+        running.release()  # admitted and running: aborted
+        running.release()
+        assert engine.pending == 0
+        engine._turn()
+        engine._publish_stats(force=True)
+
+    _run(main())
+    assert _idle_at_capacity(engine)
+    engine.close()
