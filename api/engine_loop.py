@@ -332,9 +332,11 @@ class AsyncEngine:
                 if item is _SUNK_LAST:
                     handle.finished = True
                     return
+                # Done before it is handed over: a reader that stops at the last
+                # event and closes the stream queues no abort.
+                handle.finished = item.finish_reason is not None
                 yield item
-                if item.finish_reason is not None:
-                    handle.finished = True
+                if handle.finished:
                     return
         finally:
             self._release(handle)

@@ -206,9 +206,11 @@ class RemoteEngineClient:
                 raise _error_of(answer)
             yield None
             async for event in self._tokens(queue, request_id, text):
+                # Done before it is handed over: a reader that stops at the last
+                # event and closes the stream sends the worker no abort.
+                finished = event.finish_reason is not None
                 yield event
-                if event.finish_reason is not None:
-                    finished = True
+                if finished:
                     return
         except ServiceDown as exc:
             finished = True

@@ -349,3 +349,23 @@ def test_a_released_submission_is_dropped_whether_or_not_it_was_admitted(tiny_ch
     _run(main())
     assert _idle_at_capacity(engine)
     engine.close()
+
+
+def test_a_reader_stopping_at_the_last_token_queues_no_abort(tiny_checkpoint: Path) -> None:
+    """Closing a stream on its final event (as the HTTP handlers do) queues no
+    abort for the engine: the request ended there already."""
+    engine = AsyncEngine(LLM(tiny_checkpoint, enable_prefix_caching=False), inline=True)
+
+    async def main() -> None:
+        submission = engine.submit(list(range(10, 30)), SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine._turn() == "stepped":
+            pass
+        stream = await submission.admitted()
+        async for event in stream:
+            if event.finish_reason is not None:
+                break
+        await stream.aclose()
+        assert engine._commands.empty() and engine.pending == 0
+
+    _run(main())
+    engine.close()

@@ -219,6 +219,32 @@ def test_a_silent_worker_fails_its_stream_within_two_seconds_and_leaves_routing(
     _run(body)
 
 
+@pytest.mark.parametrize("stop_at", ["last", "first"])
+def test_a_reader_stopping_at_the_last_token_sends_no_abort(stop_at: str) -> None:
+    """A reader that closes its stream on the final token (as the HTTP handlers
+    do) leaves the worker alone; one that leaves before it aborts the request."""
+
+    async def body(workers: list[FakeWorker]) -> None:
+        async for client, _ in _client(*workers):
+            opened = asyncio.create_task(client.open([1, 2, 3], SamplingParams(max_tokens=2)))
+            await asyncio.sleep(0.3)
+            target = next(w for w in workers if any(isinstance(x, m.Submit) for x in w.received))
+            submit = next(x for x in target.received if isinstance(x, m.Submit))
+            await send(target.sock, m.Admitted(submit.request_id), target._peer)
+            await send(target.sock, m.Tokens(submit.request_id, [7, 8], "length"), target._peer)
+            stream = await opened
+            async for event in stream:
+                if stop_at == "first" or event.finish_reason is not None:
+                    break
+            await stream.aclose()
+            await asyncio.sleep(0.2)
+            aborts = [x for x in target.received if isinstance(x, m.Abort)]
+            assert len(aborts) == (1 if stop_at == "first" else 0)
+            break
+
+    _run(body)
+
+
 @pytest.mark.parametrize(("answer", "error"), [
     (m.Refused("", 400, "prompt too long"), ValueError),
     (m.Refused("", 429, "busy"), EngineOverloaded),
