@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "kv_pools.h"
 #include "kv_values.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -268,21 +269,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      int64_t page_size, torch::Tensor kv_len,
                                      torch::Tensor q_pos, int64_t window, std::optional<torch::Tensor> sinks,
                                      std::optional<torch::Tensor> kv_scales) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "K/V rows must be contiguous");
-  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  const bool bf16_pool = k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() != at::kBFloat16;
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V must share a dtype");
-  TORCH_CHECK(fp8 || bf16_pool || k_cache.scalar_type() == q.scalar_type(),
-              "K/V must be q's dtype, bfloat16 or float8_e4m3fn");
-  TORCH_CHECK(fp8 == kv_scales.has_value(), "FP8 K/V come with their scales, and only they do");
-  float k_scale = 1.0f, v_scale = 1.0f;
-  if (fp8) {
-    auto both = kv_scales->to(torch::kFloat).contiguous();
-    TORCH_CHECK(both.numel() == 2, "kv_scales holds (k_scale, v_scale)");
-    k_scale = both.data_ptr<float>()[0];
-    v_scale = both.data_ptr<float>()[1];
-  }
+  const auto format = swallow_cpu::pool_format(q, k_cache, v_cache, kv_scales);
   q = q.contiguous();
   pages = pages.contiguous();
   kv_len = kv_len.to(torch::kLong).contiguous();
@@ -303,27 +290,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty({batch, hq, dv}, q.options());
   const float* sink_ptr = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    auto run = [&](auto* page_ptr) {
-      auto with = [&](auto* k_ptr, auto* v_ptr) {
+    swallow_cpu::with_page_ids(pages, [&](auto* page_ptr) {
+      swallow_cpu::with_pools<scalar_t>(k_cache, v_cache, format, [&](auto* k_ptr, auto* v_ptr) {
         decode_kernel(q.data_ptr<scalar_t>(), k_ptr, v_ptr, page_ptr, start_ptr, kv_len.data_ptr<int64_t>(), sink_ptr,
                       out.data_ptr<scalar_t>(), batch, hq, hkv, d, dv, pages.size(-1), page_size, window,
-                      k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k_scale, v_scale);
-      };
-      if (fp8) {
-        with(static_cast<const uint8_t*>(k_cache.data_ptr()), static_cast<const uint8_t*>(v_cache.data_ptr()));
-      } else if (bf16_pool) {
-        with(static_cast<const at::BFloat16*>(k_cache.data_ptr()),
-             static_cast<const at::BFloat16*>(v_cache.data_ptr()));
-      } else {
-        with(static_cast<const scalar_t*>(k_cache.data_ptr()), static_cast<const scalar_t*>(v_cache.data_ptr()));
-      }
-    };
-    if (pages.scalar_type() == torch::kInt) {
-      run(pages.data_ptr<int32_t>());
-    } else {
-      TORCH_CHECK(pages.scalar_type() == torch::kLong, "pages must be int32 or int64");
-      run(pages.data_ptr<int64_t>());
-    }
+                      k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), format.k_scale,
+                      format.v_scale);
+      });
+    });
   });
   return out;
 }

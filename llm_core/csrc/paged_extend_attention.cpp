@@ -24,6 +24,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "kv_pools.h"
 #include "kv_values.h"
 #include <ATen/Parallel.h>
 
@@ -259,22 +260,8 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor kv_table, int64_t page_size, torch::Tensor bounds,
                                      torch::Tensor q_pos, int64_t window, std::optional<torch::Tensor> sinks,
                                      std::optional<torch::Tensor> kv_scales) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "K/V rows must be contiguous");
-  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  const bool bf16_pool = k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() != at::kBFloat16;
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V must share a dtype");
-  TORCH_CHECK(fp8 || bf16_pool || k_cache.scalar_type() == q.scalar_type(),
-              "K/V must be q's dtype, bfloat16 or float8_e4m3fn");
-  TORCH_CHECK(fp8 == kv_scales.has_value(), "FP8 K/V come with their scales, and only they do");
+  const auto format = swallow_cpu::pool_format(q, k_cache, v_cache, kv_scales);
   TORCH_CHECK(page_size > 0 && window >= 0, "page_size must be positive and window non-negative");
-  float k_scale = 1.0f, v_scale = 1.0f;
-  if (fp8) {
-    auto both = kv_scales->to(torch::kFloat).contiguous();
-    TORCH_CHECK(both.numel() == 2, "kv_scales holds (k_scale, v_scale)");
-    k_scale = both.data_ptr<float>()[0];
-    v_scale = both.data_ptr<float>()[1];
-  }
   q = q.contiguous();
   kv_table = kv_table.contiguous();
   bounds = bounds.to(torch::kLong).contiguous();
@@ -295,26 +282,12 @@ torch::Tensor paged_extend_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::zeros({q.size(0), hq, dv}, q.options());  // rows no request claims stay 0
   const float* sink_ptr = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_extend_attention", [&] {
-    auto run = [&](auto* table) {
-      auto with = [&](auto* k_ptr, auto* v_ptr) {
+    swallow_cpu::with_page_ids(kv_table, [&](auto* table) {
+      swallow_cpu::with_pools<scalar_t>(k_cache, v_cache, format, [&](auto* k_ptr, auto* v_ptr) {
         extend_kernel(q.data_ptr<scalar_t>(), k_ptr, v_ptr, table, bd, q_pos.data_ptr<int64_t>(), sink_ptr,
-                      out.data_ptr<scalar_t>(), bounds.size(0), geometry, k_scale, v_scale);
-      };
-      if (fp8) {
-        with(static_cast<const uint8_t*>(k_cache.data_ptr()), static_cast<const uint8_t*>(v_cache.data_ptr()));
-      } else if (bf16_pool) {
-        with(static_cast<const at::BFloat16*>(k_cache.data_ptr()),
-             static_cast<const at::BFloat16*>(v_cache.data_ptr()));
-      } else {
-        with(static_cast<const scalar_t*>(k_cache.data_ptr()), static_cast<const scalar_t*>(v_cache.data_ptr()));
-      }
-    };
-    if (kv_table.scalar_type() == torch::kInt) {
-      run(kv_table.data_ptr<int32_t>());
-    } else {
-      TORCH_CHECK(kv_table.scalar_type() == torch::kLong, "kv_table must be int32 or int64");
-      run(kv_table.data_ptr<int64_t>());
-    }
+                      out.data_ptr<scalar_t>(), bounds.size(0), geometry, format.k_scale, format.v_scale);
+      });
+    });
   });
   return out;
 }
