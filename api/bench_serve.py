@@ -17,7 +17,10 @@ level c exactly c requests are kept in flight (closed loop), by three drivers:
 
 Every timed run starts from a flushed prefix cache, and follows an untimed
 warm-up, so levels compare steady states; each level keeps the fastest of
-``repeats`` runs (noise on a shared machine only slows a run down).
+``repeats`` runs (noise on a shared machine only slows a run down). The
+drivers are all up at once and take turns, run by run (offline, served,
+vLLM, then again), so a machine that slows down for a minute slows every side
+alike instead of whichever ran then.
 
 Timing definitions, the same for every driver: TTFT is request sent -> first
 chunk carrying a token id. ITL is per token: a chunk carrying k ids, arriving a
@@ -46,8 +49,9 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -236,25 +240,18 @@ def _step(llm: Any, streams: dict[int, Stream], index_of: Mapping[int, int]) -> 
     return finished
 
 
-def offline_levels(model_dir: Path, engine_options: Mapping[str, Any], plan: Plan
-                   ) -> tuple[dict[int, list[Run]], int]:
-    """Every run per level, and the speculative tokens the engine resolved."""
+@contextmanager
+def offline_engine(model_dir: Path, engine_options: Mapping[str, Any]) -> Iterator[Any]:
+    """``llm_core.LLM`` on the server's engine options, closed after."""
     from llm_core import LLM
 
     llm = LLM(model_dir, **engine_options)
     try:
-        warm = plan.workload.warm_up(max(plan.levels))
-        offline_run(llm, warm, 1)  # untimed: batch size 1 and the largest batch, compiled or not
-        offline_run(llm, warm, len(warm.prompts))
-        runs = {}
-        for level in plan.levels:
-            runs[level] = [offline_run(llm, plan.workload, level) for _ in range(plan.repeats)]
-            plan.log(f"offline c={level}: {_fastest(runs[level]).tok_s:.1f} tok/s")
-        return runs, llm.engine.num_speculative
+        yield llm
     finally:
         llm.close()
         del llm
-        gc.collect()  # its KV pools go before a server allocates its own
+        gc.collect()
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,14 +318,23 @@ def served_run(target: Target, workload: Workload, concurrency: int) -> Run:
     return asyncio.run(_served_run(target, workload, concurrency))
 
 
-def served_levels(target: Target, plan: Plan, name: str) -> dict[int, list[Run]]:
+Driver = Callable[[Workload, int], Run]  # the workload at a concurrency level, through one side
+
+
+def interleaved_levels(drivers: Mapping[str, Driver], plan: Plan) -> dict[str, dict[int, list[Run]]]:
+    """Every driver's runs per level: each warmed up (untimed: batch size 1 and
+    the largest), then the levels' runs taken in turns, one driver after the
+    other, ``repeats`` times."""
     warm = plan.workload.warm_up(max(plan.levels))
-    served_run(target, warm, 1)  # untimed, as offline
-    served_run(target, warm, len(warm.prompts))
-    runs = {}
+    for drive in drivers.values():
+        drive(warm, 1)
+        drive(warm, len(warm.prompts))
+    runs: dict[str, dict[int, list[Run]]] = {name: {} for name in drivers}
     for level in plan.levels:
-        runs[level] = [served_run(target, plan.workload, level) for _ in range(plan.repeats)]
-        plan.log(f"{name} c={level}: {_fastest(runs[level]).tok_s:.1f} tok/s")
+        for _ in range(plan.repeats):
+            for name, drive in drivers.items():
+                runs[name].setdefault(level, []).append(drive(plan.workload, level))
+        plan.log(" | ".join(f"{name} c={level}: {_fastest(runs[name][level]).tok_s:.1f} tok/s" for name in drivers))
     return runs
 
 
@@ -429,7 +435,27 @@ class ServedResult:
     recompiles: float | None
 
 
-def swallow_served(model_dir: Path, server_args: Sequence[str], plan: Plan, notes: list[str]) -> ServedResult:
+@dataclass(frozen=True)
+class SwallowServer:
+    target: Target
+    ready_s_cold: float
+    ready_s_warm: float
+    recompiles_at_ready: float | None
+
+    def result(self, runs: dict[int, list[Run]], notes: list[str]) -> ServedResult:
+        now = _recompiles(self.target.url)
+        if self.recompiles_at_ready is None or now is None:
+            notes.append(f"the server's /metrics has no {RECOMPILES} counter: recompiles_after_ready is null")
+            recompiles = None
+        else:
+            recompiles = now - self.recompiles_at_ready
+        return ServedResult(runs, self.ready_s_cold, self.ready_s_warm, recompiles)
+
+
+@contextmanager
+def swallow_server(model_dir: Path, server_args: Sequence[str], plan: Plan) -> Iterator[SwallowServer]:
+    """`swallow serve` started over an empty inductor cache (timed, stopped),
+    then again over the cache it left (timed): the second one serves."""
     with tempfile.TemporaryDirectory(prefix="swallow-inductor-") as cache:
         with _timed_server(model_dir, server_args, Path(cache)) as (_, cold):
             plan.log(f"swallow serve ready in {cold:.1f} s (empty inductor cache)")
@@ -437,14 +463,7 @@ def swallow_served(model_dir: Path, server_args: Sequence[str], plan: Plan, note
             plan.log(f"swallow serve ready in {warm:.1f} s (warm inductor cache)")
             before = _recompiles(server.url)  # just after ready: before any request
             target = Target(server.url, served_model_name(server.url), flush_cache)
-            runs = served_levels(target, plan, "served")
-            after = _recompiles(server.url)
-    if before is None or after is None:
-        notes.append(f"the server's /metrics has no {RECOMPILES} counter: recompiles_after_ready is null")
-        recompiles = None
-    else:
-        recompiles = after - before
-    return ServedResult(runs, round(cold, 2), round(warm, 2), recompiles)
+            yield SwallowServer(target, round(cold, 2), round(warm, 2), before)
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,8 +500,9 @@ def vllm_env(peer: ModuleType) -> dict[str, str]:
     return env | {"VLLM_SERVER_DEV_MODE": "1", "PYTHONSAFEPATH": "1"}
 
 
-def vllm_served(python: str, model_dir: Path, plan: Plan) -> tuple[dict[int, list[Run]], dict[str, Any]]:
-    """The levels against vLLM's OpenAI server on Swallow's checkpoint exported for it."""
+@contextmanager
+def vllm_server(python: str, model_dir: Path, plan: Plan) -> Iterator[tuple[Target, dict[str, Any]]]:
+    """vLLM's OpenAI server on Swallow's checkpoint exported for it, and what to report of it."""
     from llm_core.presets import tiny
 
     peer = _vllm_peer()
@@ -497,10 +517,9 @@ def vllm_served(python: str, model_dir: Path, plan: Plan) -> tuple[dict[int, lis
             version = httpx.get(f"{server.url}/version", timeout=30).json().get("version")
             target = Target(server.url, served_model_name(server.url), _reset_vllm_prefix_cache,
                             {"return_token_ids": True})
-            runs = served_levels(target, plan, "vLLM")
-    about = {"version": version, "ready_s": round(ready_s, 2), "argv": argv[1:],
-             "env": {k: env[k] for k in (*peer.REPORTED_ENV, "VLLM_SERVER_DEV_MODE") if k in env}}
-    return runs, about
+            about = {"version": version, "ready_s": round(ready_s, 2), "argv": argv[1:],
+                     "env": {k: env[k] for k in (*peer.REPORTED_ENV, "VLLM_SERVER_DEV_MODE") if k in env}}
+            yield target, about
 
 
 def _vllm_report(swallow: Mapping[str, dict[str, Any]], runs: Mapping[int, list[Run]], about: dict[str, Any],
@@ -575,15 +594,23 @@ def serve_bench(
     plan = Plan(Workload.make(num_requests, config.vocab_size, seed, max_output_tokens), tuple(sorted(set(levels))),
                 repeats, log)
     notes: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="swallow-bench-serve-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="swallow-bench-serve-") as tmp, ExitStack() as sides:
         model_dir = write_random_checkpoint(Path(tmp) / "model", config, seed=0)
         options = parsed_engine_options(args, model_dir)
-        with torch_threads(server_engine_threads(args)) as threads:
-            offline, speculative = offline_levels(model_dir, options, plan)
-        served = swallow_served(model_dir, args, plan, notes)
+        threads = sides.enter_context(torch_threads(server_engine_threads(args)))
+        llm = sides.enter_context(offline_engine(model_dir, options))
+        swallow = sides.enter_context(swallow_server(model_dir, args, plan))
+        drivers: dict[str, Driver] = {"offline": partial(offline_run, llm),
+                                      "served": partial(served_run, swallow.target)}
+        vllm_about = _start_vllm(sides, peer_vllm, model_dir, plan, notes)
+        if vllm_about is not None and "error" not in vllm_about:
+            drivers["vLLM"] = _reporting_failure(partial(served_run, vllm_about.pop("target")), vllm_about)
+        runs = interleaved_levels(drivers, plan)
+        offline, served = runs["offline"], swallow.result(runs["served"], notes)
+        speculative = llm.engine.num_speculative
         reference = offline[plan.levels[0]][0].ids()  # the lowest level's first run: the least batched
         report = {str(c): _level_report(_fastest(served.runs[c]), _fastest(offline[c]), c) for c in plan.levels}
-        vllm = _try_vllm(peer_vllm, model_dir, plan, notes, report, reference)
+        vllm = _vllm_section(vllm_about, runs.get("vLLM"), report, reference, notes)
     return {
         "model": "tiny (random weights, seed 0)",
         "num_requests": num_requests,
@@ -614,14 +641,46 @@ def _served_keys(served: ServedResult, offline: Mapping[int, list[Run]], referen
     }
 
 
-def _try_vllm(python: str | None, model_dir: Path, plan: Plan, notes: list[str],
-              swallow: Mapping[str, dict[str, Any]], reference: list[list[int]]) -> dict[str, Any] | None:
-    """The vLLM section, or None without a peer; a failing peer costs a note, not Swallow's figures."""
+def _start_vllm(sides: ExitStack, python: str | None, model_dir: Path, plan: Plan,
+                notes: list[str]) -> dict[str, Any] | None:
+    """vLLM's server entered into ``sides``: what to report of it, with its
+    ``target``; None without a peer; a peer that fails to start costs a note
+    (and an ``error``), not Swallow's figures."""
     if python is None:
         return None
     try:
-        runs, about = vllm_served(python, model_dir, plan)
+        target, about = sides.enter_context(vllm_server(python, model_dir, plan))
     except Exception as exc:  # noqa: BLE001 - any failure of the other engine is reported, not raised
-        notes.append(f"vLLM peer failed: {type(exc).__name__}: {str(exc)[-2000:]}")
-        return {"error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
+        return _vllm_failed(exc, notes)
+    return about | {"target": target}
+
+
+def _reporting_failure(drive: Driver, about: dict[str, Any]) -> Driver:
+    """vLLM's driver: its first failure is kept in ``about`` and ends its runs
+    (each later one an empty run), never the benchmark."""
+
+    def run(workload: Workload, concurrency: int) -> Run:
+        if "failure" not in about:
+            try:
+                return drive(workload, concurrency)
+            except Exception as exc:  # noqa: BLE001 - reported in the vLLM section
+                about["failure"] = exc
+        return Run(float("inf"), [])
+
+    return run
+
+
+def _vllm_failed(exc: BaseException, notes: list[str]) -> dict[str, Any]:
+    notes.append(f"vLLM peer failed: {type(exc).__name__}: {str(exc)[-2000:]}")
+    return {"error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
+
+
+def _vllm_section(about: dict[str, Any] | None, runs: Mapping[int, list[Run]] | None,
+                  swallow: Mapping[str, dict[str, Any]], reference: list[list[int]],
+                  notes: list[str]) -> dict[str, Any] | None:
+    if about is None or "error" in about:
+        return about
+    if "failure" in about:
+        return _vllm_failed(about["failure"], notes)
+    assert runs is not None
     return _vllm_report(swallow, runs, about, reference)

@@ -65,3 +65,43 @@ def test_bench_serve_against_a_live_server() -> None:
         assert any("swallow_recompiles_total" in note for note in result["notes"])
     else:
         assert result["recompiles_after_ready"] >= 0
+
+
+def test_drivers_take_turns_run_by_run() -> None:
+    """Every side warms up untimed, then each level's runs alternate between
+    the sides, so a slow minute of the machine falls on all of them alike."""
+    from api.bench_serve import Plan, Run, Workload, interleaved_levels
+
+    calls: list[tuple[str, int, int]] = []
+
+    def driver(name: str):  # noqa: ANN202
+        def drive(workload: Workload, concurrency: int) -> Run:
+            calls.append((name, len(workload.prompts), concurrency))
+            return Run(1.0, [])
+        return drive
+
+    workload = Workload([[1, 2, 3]] * 4, [2] * 4)
+    runs = interleaved_levels({"a": driver("a"), "b": driver("b")}, Plan(workload, (1, 4), 2, lambda _: None))
+    assert calls[:4] == [("a", 4, 1), ("a", 4, 4), ("b", 4, 1), ("b", 4, 4)]  # warm-ups: 4 short requests
+    assert [(name, c) for name, _, c in calls[4:]] == [("a", 1), ("b", 1)] * 2 + [("a", 4), ("b", 4)] * 2
+    assert {name: {c: len(r) for c, r in by.items()} for name, by in runs.items()} == {"a": {1: 2, 4: 2},
+                                                                                      "b": {1: 2, 4: 2}}
+
+
+def test_a_failing_peer_is_reported_and_stops_running() -> None:
+    from api.bench_serve import Run, Workload, _reporting_failure, _vllm_section
+
+    attempts = []
+
+    def broken(workload: Workload, concurrency: int) -> Run:
+        attempts.append(concurrency)
+        raise RuntimeError("the stream carried an error")
+
+    about: dict = {"version": "x"}
+    drive = _reporting_failure(broken, about)
+    workload = Workload([[1]], [1])
+    assert drive(workload, 1).streams == [] and drive(workload, 8).streams == []
+    assert attempts == [1]
+    notes: list[str] = []
+    section = _vllm_section(about, {}, {}, [], notes)
+    assert "the stream carried an error" in section["error"] and notes
