@@ -17,6 +17,12 @@ if TYPE_CHECKING:
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
 # `serve --engine-core`: its own process (the default), or a thread of the API process.
 ENGINE_CORE_MODES = ("process", "thread")
+# A step's token budget. On CPU a prefill step costs ~40 us a token, so a
+# burst of prompts is served in finer steps: measured with `swallow bench
+# serve` at 32 concurrent requests, 2048 gave a 20% lower TTFT p50 than 4096
+# at the same throughput (1024 cost throughput).
+CPU_BATCHED_TOKENS = 2048
+ACCELERATOR_BATCHED_TOKENS = 4096
 # Compiled graphs are kept where a restarted server (and its engine core) finds them.
 INDUCTOR_CACHE_DIR = Path.home() / ".cache" / "swallow" / "inductor"
 
@@ -351,6 +357,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "(the checkpoint's, else 1.0): twice the tokens of bf16 in the same memory")
     group.add_argument("--max-running-requests", type=int, default=64)
     group.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    group.add_argument("--max-num-batched-tokens", type=int,
+                       help="tokens one step computes at most, prefill chunks and decode rows together (default: "
+                            f"{CPU_BATCHED_TOKENS} on CPU, {ACCELERATOR_BATCHED_TOKENS} elsewhere)")
     group.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="torch.compile the decode forward (default: on with CUDA; on CPU it pays for long "
                             "runs, after about a minute of compiling on the first decode steps)")
@@ -386,6 +395,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_running_requests": args.max_running_requests,
+        "max_num_batched_tokens": args.max_num_batched_tokens or (
+            CPU_BATCHED_TOKENS if args.device == "cpu" else ACCELERATOR_BATCHED_TOKENS),
         "enable_prefix_caching": not args.no_prefix_caching,
         # Expert parallelism runs eager (its all-to-alls have data-dependent sizes).
         "compile": args.device.startswith("cuda") and args.ep_size == 1 if args.compile is None else args.compile,

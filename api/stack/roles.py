@@ -130,6 +130,7 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
     """The engine options given to `stack`, for each worker's command line."""
     out = _passed(args, ("--device", "device"), ("--dtype", "dtype"), ("--kv-budget-mib", "kv_budget_mib"),
                   ("--max-running-requests", "max_running_requests"),
+                  ("--max-num-batched-tokens", "max_num_batched_tokens"),
                   ("--cuda-graph-max-batch", "cuda_graph_max_batch"), ("--speculative-tokens", "speculative_tokens"),
                   ("--schedule-policy", "schedule_policy"), ("--schedule-buckets", "schedule_buckets"),
                   ("--kv-host-gib", "kv_host_gib"), ("--kv-disk-gib", "kv_disk_gib"),
