@@ -602,9 +602,9 @@ def serve_bench(
         swallow = sides.enter_context(swallow_server(model_dir, args, plan))
         drivers: dict[str, Driver] = {"offline": partial(offline_run, llm),
                                       "served": partial(served_run, swallow.target)}
-        vllm_about = _start_vllm(sides, peer_vllm, model_dir, plan, notes)
-        if vllm_about is not None and "error" not in vllm_about:
-            drivers["vLLM"] = _reporting_failure(partial(served_run, vllm_about.pop("target")), vllm_about)
+        vllm_target, vllm_about = _start_vllm(sides, peer_vllm, model_dir, plan, notes)
+        if vllm_target is not None:
+            drivers["vLLM"] = _reporting_failure(partial(served_run, vllm_target), vllm_about)
         runs = interleaved_levels(drivers, plan)
         offline, served = runs["offline"], swallow.result(runs["served"], notes)
         speculative = llm.engine.num_speculative
@@ -642,17 +642,16 @@ def _served_keys(served: ServedResult, offline: Mapping[int, list[Run]], referen
 
 
 def _start_vllm(sides: ExitStack, python: str | None, model_dir: Path, plan: Plan,
-                notes: list[str]) -> dict[str, Any] | None:
-    """vLLM's server entered into ``sides``: what to report of it, with its
-    ``target``; None without a peer; a peer that fails to start costs a note
-    (and an ``error``), not Swallow's figures."""
+                notes: list[str]) -> tuple[Target | None, dict[str, Any] | None]:
+    """vLLM's server entered into ``sides``, and what to report of it; (None,
+    None) without a peer. A peer that fails to start costs a note and an
+    ``error`` (no target), not Swallow's figures."""
     if python is None:
-        return None
+        return None, None
     try:
-        target, about = sides.enter_context(vllm_server(python, model_dir, plan))
+        return sides.enter_context(vllm_server(python, model_dir, plan))
     except Exception as exc:  # noqa: BLE001 - any failure of the other engine is reported, not raised
-        return _vllm_failed(exc, notes)
-    return about | {"target": target}
+        return None, _vllm_failed(exc, notes)
 
 
 def _reporting_failure(drive: Driver, about: dict[str, Any]) -> Driver:

@@ -63,7 +63,7 @@ def paged_decode_attention_cpu(
     tiles serve a GQA group's heads with shared loads, about 1.5x the decode
     kernel over hundreds of keys; a window's few keys are the decode kernel's."""
     if sliding_window is not None:
-        return torch.ops.swallow_cpu.paged_decode_attention(q, k_cache, v_cache, pages, None, page_size, kv_len, q_pos,
+        return torch.ops.swallow_cpu.paged_decode_attention(q, k_cache, v_cache, pages, page_size, kv_len, q_pos,
                                                             sliding_window, sinks, kv_scales)
     batch, width = pages.shape
     rows = torch.arange(batch, dtype=torch.int64)

@@ -140,15 +140,6 @@ class PagedBatch:
         return (pages[:, None] * self.page_size + offsets).flatten()[:n]
 
     @cached_property
-    def query_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per query row: where its request's pages start in ``kv_table``, and how
-        many of the request's keys it sees (causally: up to its own position)."""
-        device = self.q_pos.device
-        lengths = torch.tensor([n for _, n in self.q_bounds], device=device)
-        request = torch.repeat_interleave(torch.arange(len(self.q_bounds), device=device), lengths)
-        return self.kv_start.long()[request], self.q_pos - self.kv_first_pos[request] + 1
-
-    @cached_property
     def decode(self) -> DecodeTables:
         """Built on first use only (the torch path), once per step for all layers."""
         device = self.kv_table.device

@@ -3,9 +3,7 @@
 // online softmax per query head, a GQA group sharing each K/V load.
 //
 // q [B, Hq, D]; k_cache [S, Hkv, D]; v_cache [S, Hkv, Dv]; pages [B, P] page
-// ids (int32 or int64), or any pages with page_start [B]: query b's page ids
-// then start at flat offset page_start[b] (an extend batch's rows sharing
-// their request's pages); kv_len [B]: query b's keys are its last kv_len[b]
+// ids (int32 or int64); kv_len [B]: query b's keys are its last kv_len[b]
 // positions up to q_pos[b], key i at slot row[i / page] * page + i % page.
 // window > 0 keeps keys with q_pos - k_pos < window. sinks [Hq] (optional)
 // join each head's softmax denominator as one more logit with no value.
@@ -68,7 +66,7 @@ inline __mmask16 tail_mask(int64_t n) {
 
 template <typename page_t>
 void decode_kernel_avx512(const float* q, const float* k, const float* v, const page_t* pages,
-                          const int64_t* page_start, const int64_t* kv_len, const float* sinks, float* out,
+                          const int64_t* kv_len, const float* sinks, float* out,
                           int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t dv, int64_t width,
                           int64_t page, int64_t window, int64_t k_stride0, int64_t k_stride1,
                           int64_t v_stride0, int64_t v_stride1) {
@@ -94,7 +92,7 @@ void decode_kernel_avx512(const float* q, const float* k, const float* v, const 
         l[g] = sinks ? 1.0f : 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      const page_t* row = pages + (page_start ? page_start[b] : b * width);
+      const page_t* row = pages + b * width;
       int64_t page_index = lo / page, offset = lo % page;
       for (int64_t i0 = lo; i0 < n; i0 += 16) {
         const int64_t count = std::min<int64_t>(16, n - i0);
@@ -163,13 +161,13 @@ void decode_kernel_avx512(const float* q, const float* k, const float* v, const 
 
 template <typename scalar_t, typename kv_t, typename page_t>
 void decode_kernel(const scalar_t* q, const kv_t* k, const kv_t* v, const page_t* pages,
-                   const int64_t* page_start, const int64_t* kv_len, const float* sinks, scalar_t* out,
+                   const int64_t* kv_len, const float* sinks, scalar_t* out,
                    int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t dv, int64_t width,
                    int64_t page, int64_t window, int64_t k_stride0, int64_t k_stride1,
                    int64_t v_stride0, int64_t v_stride1, float k_scale, float v_scale) {
 #ifdef __AVX512F__
   if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<kv_t, float>) {
-    decode_kernel_avx512(q, k, v, pages, page_start, kv_len, sinks, out, batch, hq, hkv, d, dv, width, page, window,
+    decode_kernel_avx512(q, k, v, pages, kv_len, sinks, out, batch, hq, hkv, d, dv, width, page, window,
                          k_stride0, k_stride1, v_stride0, v_stride1);
     return;
   }
@@ -194,7 +192,7 @@ void decode_kernel(const scalar_t* q, const kv_t* k, const kv_t* v, const page_t
         l[g] = sinks ? 1.0f : 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      const page_t* row = pages + (page_start ? page_start[b] : b * width);
+      const page_t* row = pages + b * width;
       // Key lo's page and offset, then stepped along: no division per key.
       int64_t page_index = lo / page, offset = lo % page;
       for (int64_t i0 = lo; i0 < n; i0 += kBlock) {
@@ -265,8 +263,7 @@ void decode_kernel(const scalar_t* q, const kv_t* k, const kv_t* v, const page_t
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor pages, std::optional<torch::Tensor> page_start,
-                                     int64_t page_size, torch::Tensor kv_len,
+                                     torch::Tensor pages, int64_t page_size, torch::Tensor kv_len,
                                      torch::Tensor q_pos, int64_t window, std::optional<torch::Tensor> sinks,
                                      std::optional<torch::Tensor> kv_scales) {
   const auto format = swallow_cpu::pool_format(q, k_cache, v_cache, kv_scales);
@@ -279,20 +276,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hkv = k_cache.size(1), dv = v_cache.size(2);
   TORCH_CHECK(hq % hkv == 0 && k_cache.size(2) == d && kv_len.numel() == batch, "shapes do not agree");
-  torch::Tensor starts;
-  if (page_start.has_value()) {
-    starts = page_start->to(torch::kLong).contiguous();
-    TORCH_CHECK(starts.numel() == batch, "one page_start per query");
-  } else {
-    TORCH_CHECK(pages.dim() == 2 && pages.size(0) == batch, "pages [B, P] without page_start");
-  }
-  const int64_t* start_ptr = page_start.has_value() ? starts.data_ptr<int64_t>() : nullptr;
+  TORCH_CHECK(pages.dim() == 2 && pages.size(0) == batch, "pages [B, P], a row per query");
   auto out = torch::empty({batch, hq, dv}, q.options());
   const float* sink_ptr = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     swallow_cpu::with_page_ids(pages, [&](auto* page_ptr) {
       swallow_cpu::with_pools<scalar_t>(k_cache, v_cache, format, [&](auto* k_ptr, auto* v_ptr) {
-        decode_kernel(q.data_ptr<scalar_t>(), k_ptr, v_ptr, page_ptr, start_ptr, kv_len.data_ptr<int64_t>(), sink_ptr,
+        decode_kernel(q.data_ptr<scalar_t>(), k_ptr, v_ptr, page_ptr, kv_len.data_ptr<int64_t>(), sink_ptr,
                       out.data_ptr<scalar_t>(), batch, hq, hkv, d, dv, pages.size(-1), page_size, window,
                       k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), format.k_scale,
                       format.v_scale);
@@ -303,8 +293,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 TORCH_LIBRARY_FRAGMENT(swallow_cpu, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor pages, Tensor? page_start, "
-        "int page_size, "
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor pages, int page_size, "
         "Tensor kv_len, Tensor q_pos, int window, Tensor? sinks, Tensor? kv_scales) -> Tensor");
 }
 
