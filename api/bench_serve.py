@@ -16,8 +16,9 @@ level c exactly c requests are kept in flight (closed loop), by three drivers:
   checkpoint (tools/vllm_peer.py), the same client.
 
 Every timed run starts from a flushed prefix cache, and follows an untimed
-warm-up, so levels compare steady states; each level keeps the fastest of
-``repeats`` runs (noise on a shared machine only slows a run down). The
+warm-up, so levels compare steady states; a level's tokens/s is the fastest
+of ``repeats`` runs (noise on a shared machine only slows a run down), its
+TTFT and ITL percentiles are over the streams of all its runs. The
 drivers are all up at once and take turns, run by run (offline, served,
 vLLM, then again), so a machine that slows down for a minute slows every side
 alike instead of whichever ran then.
@@ -166,9 +167,15 @@ def _ms(values: Sequence[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000, 3) if len(values) else None
 
 
-def summarize(run: Run) -> dict[str, Any]:
-    ttfts = [s.ttft_s for s in run.streams]
-    itls = [gap for s in run.streams for gap in s.itl_s]
+def summarize(runs: Sequence[Run]) -> dict[str, Any]:
+    """A level's figures over its repeats: throughput is the fastest run's (a
+    slow phase of the shared machine costs the others, not the code), latency
+    percentiles are over every run's streams, so that they describe the
+    distribution rather than whichever run happened to be fastest."""
+    run = _fastest(runs)
+    streams = [stream for each in runs for stream in each.streams]
+    ttfts = [s.ttft_s for s in streams]
+    itls = [gap for s in streams for gap in s.itl_s]
     return {
         "tok_s": round(run.tok_s, 2),
         "ttft_p50_ms": _ms(ttfts, 50),
@@ -524,7 +531,7 @@ def vllm_server(python: str, model_dir: Path, plan: Plan) -> Iterator[tuple[Targ
 
 def _vllm_report(swallow: Mapping[str, dict[str, Any]], runs: Mapping[int, list[Run]], about: dict[str, Any],
                  reference: list[list[int]]) -> dict[str, Any]:
-    levels = {str(level): summarize(_fastest(level_runs)) for level, level_runs in runs.items()}
+    levels = {str(level): summarize(level_runs) for level, level_runs in runs.items()}
     return about | {
         "levels": levels,
         "ratio_tok_s": {c: _ratio(swallow[c]["tok_s"], f["tok_s"]) for c, f in levels.items()},
@@ -550,7 +557,8 @@ def parse_levels(text: str | None) -> tuple[int, ...]:
     return levels
 
 
-def _level_report(served: Run, offline: Run, level: int) -> dict[str, Any]:
+def _level_report(served: Sequence[Run], offline_runs: Sequence[Run], level: int) -> dict[str, Any]:
+    offline = _fastest(offline_runs)
     figures = summarize(served) | {"offline_tok_s": round(offline.tok_s, 2)}
     figures["served_over_offline"] = _ratio(figures["tok_s"], figures["offline_tok_s"])
     if level == 1:
@@ -609,7 +617,7 @@ def serve_bench(
         offline, served = runs["offline"], swallow.result(runs["served"], notes)
         speculative = llm.engine.num_speculative
         reference = offline[plan.levels[0]][0].ids()  # the lowest level's first run: the least batched
-        report = {str(c): _level_report(_fastest(served.runs[c]), _fastest(offline[c]), c) for c in plan.levels}
+        report = {str(c): _level_report(served.runs[c], offline[c], c) for c in plan.levels}
         vllm = _vllm_section(vllm_about, runs.get("vLLM"), report, reference, notes)
     return {
         "model": "tiny (random weights, seed 0)",

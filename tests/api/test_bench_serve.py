@@ -28,6 +28,25 @@ def test_itl_is_per_token_and_its_mean_is_the_per_token_time() -> None:
     assert math.isclose(stream.per_token_s, sum(stream.itl_s) / 3)
 
 
+def test_a_level_takes_its_fastest_runs_throughput_and_every_runs_latencies() -> None:
+    from api.bench_serve import Run, summarize
+
+    def run(wall_s: float, ttfts: list[float]) -> Run:
+        streams = []
+        for ttft in ttfts:
+            stream = Stream(sent_s=0.0)
+            stream.receive([1], ttft)
+            stream.receive([2], ttft + 0.01)
+            streams.append(stream)
+        return Run(wall_s, streams)
+
+    slow, fast = run(4.0, [0.5, 0.6]), run(2.0, [0.1, 0.2])
+    figures = summarize([slow, fast])
+    assert figures["tok_s"] == 2.0 and figures["wall_s"] == 2.0 and figures["output_tokens"] == 4
+    assert figures["ttft_p50_ms"] == 350.0  # the median of 0.1, 0.2, 0.5 and 0.6 s, not the fast run's 150 ms
+    assert summarize([fast])["ttft_p50_ms"] == 150.0
+
+
 def test_recompile_counter_is_read_summed_or_reported_missing() -> None:
     text = ('# TYPE swallow_recompiles counter\nswallow_recompiles_total{graph="decode"} 2.0\n'
             'swallow_recompiles_total{graph="extend"} 1.0\n')
