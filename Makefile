@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve test clean
+.PHONY: install serve test lint-imports clean
 
 install: $(STAMP)
 
@@ -24,8 +24,12 @@ serve: install
 	@echo "Starting Swallow (default demo model) -- the demo page will be at http://$(HOST):$(PORT)/"
 	$(BIN)/swallow serve --host $(HOST) --port $(PORT)
 
-test: install
+test: install lint-imports
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The import rules of .importlinter: layers, no cycles, the stack's roles apart.
+lint-imports: install
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) .pytest_cache .swallow

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from api.errors import BadRequest, UnsupportedMedia
 from api.uploads import SNIFF_BYTES, DeclaredType, StoredFile, declared_type, refusal_for_unrecognised, sniff_media_kind
 from llm_core import SamplingParams
 from llm_core.sampling import MAX_TOP_LOGPROBS
@@ -62,14 +63,6 @@ MAX_STOP_CHARS = 256
 # The media kind each media part type stands for, and back.
 _PART_KINDS = {"image_url": "image", "video_url": "video", "input_audio": "audio"}
 _KIND_PARTS = {kind: part for part, kind in _PART_KINDS.items()}
-
-
-class BadRequest(ValueError):
-    """A request the client must fix (HTTP 400)."""
-
-
-class UnsupportedMedia(ValueError):
-    """Media of a type the server cannot decode (HTTP 415)."""
 
 
 def parse_json_body(raw: bytes | str, what: str = "request body") -> Any:

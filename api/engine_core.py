@@ -26,7 +26,8 @@ from typing import Any
 
 from api.frontend import Embedder
 from api.metrics import ServerMetrics
-from api.runtime import ServerOptions, build_media, media_kinds
+from api.options import ServerOptions
+from api.runtime import build_media, media_kinds
 from api.stack.frontend import StackFrontend
 from api.stack.plan import RolePlan, StackPlan, free_ports
 from api.stack.supervisor import Supervisor

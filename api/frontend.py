@@ -14,20 +14,18 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from api.chat import MediaRef
 from api.engine_loop import Detokenizer, StreamEvent
 from api.metrics import ServerMetrics
+from api.options import ServerOptions
 from llm_core import SamplingParams
 from llm_core.chat import ChatTemplate
 from llm_core.multimodal import MultimodalSpan, SpanRef
 from llm_core.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from api.runtime import ServerOptions
 
 __all__ = ["Embedder", "EngineClient", "Frontend", "MediaEmbedding"]
 

@@ -17,6 +17,7 @@ from api.chat import MediaRef
 from api.engine_loop import AsyncEngine
 from api.frontend import MediaEmbedding
 from api.metrics import ServerMetrics
+from api.options import ServerOptions
 from embedding_cache import Embedding, MediaEmbedder, MediaEmbedderConfig, SharedEmbeddingStore
 from encoders import BatcherConfig, EncoderBatcher
 from encoders.multimodal_checkpoint import encoder_kinds, load_encoders, placeholder_token_ids
@@ -25,24 +26,10 @@ from llm_core.chat import ChatTemplate
 from llm_core.tokenizer import Tokenizer
 from media import VIDEO_PREPROCESS, MediaLimits, VisionPreprocessConfig
 
-__all__ = ["LocalEmbedder", "LocalMedia", "ServerOptions", "ServingModel", "build_media", "embed_media", "media_config",
+__all__ = ["LocalEmbedder", "LocalMedia", "ServingModel", "build_media", "embed_media", "media_config",
            "media_kinds"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ServerOptions:
-    api_key: str | None = None
-    max_upload_bytes: int = 512 << 20
-    spool_dir: Path | None = None  # default: a fresh directory under the system temp dir
-    max_pending_requests: int = 256
-    embedding_cache_bytes: int = 256 << 20
-    # Processes on one machine that name the same store share embeddings.
-    embedding_cache_name: str | None = None
-    # Output parsers by name ("mimo", or "none"); None: the checkpoint's own (config.json model_type).
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
 
 
 def media_config(model_dir: Path, limits: MediaLimits) -> MediaEmbedderConfig:

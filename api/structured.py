@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeAlias, cast
 
 from llguidance import LLMatcher, LLTokenizer
 
-from api.chat import BadRequest
+from api.errors import BadRequest
 from llm_core.grammar import JSON_LAYOUT, GrammarKind, GrammarSpec, grammar_text
 
 __all__ = [

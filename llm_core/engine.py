@@ -20,20 +20,20 @@ from llm_core.disagg import KVReservation, PrefilledKV, SequenceKVPacker
 from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SequenceView, SWAKVPool, SWAMode
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.multimodal import MultimodalSpan, check_spans, with_cache_tokens
+from llm_core.attention_backends import DecodeAttentionBackend, PagedAttentionBackend
 from llm_core.paged_attention import (
     AttentionFn,
-    DecodeAttentionBackend,
     DecodeAttentionFn,
     DecodeBatch,
     KVCacheTensors,
-    PagedAttentionBackend,
     PagedBatch,
     paged_attention_torch,
     paged_decode_attention_torch,
 )
 from llm_core.kv_events import KVEventLog
 from llm_core.kv_store import DiskKVStore, HostKVPool
-from llm_core.kv_tiers import KVTiers, TierConfig, model_fingerprint
+from llm_core.kv_tiers import KVTiers, TierConfig
+from llm_core.page_address import model_fingerprint
 from llm_core.schedule_policy import LengthBuckets
 from llm_core.kv_transfer import RESTORE_BUCKETS, EngineTierIO, model_weights_digest
 from llm_core.prefix_cache import CacheLock, CacheStats, RadixCache

@@ -45,7 +45,6 @@ from llm_core.expert_parallel import (
     all_gather,
     broadcast,
     expert_parallel_from_store,
-    init_expert_parallel,
 )
 from llm_core.grammar import GrammarSpec
 from llm_core.multimodal import MultimodalSpan
@@ -54,7 +53,7 @@ from llm_core.sampling import SamplingParams
 if TYPE_CHECKING:
     from llm_core.llm import LLM
 
-__all__ = ["EPLeader", "LocalGroup", "check_engine_config", "follow", "follower_main", "launch_local_group"]
+__all__ = ["EPLeader", "LocalGroup", "check_engine_config", "follow", "launch_local_group"]
 
 log = logging.getLogger(__name__)
 _FAILED = -1  # the digest of a step that raised
@@ -297,7 +296,7 @@ class LocalGroup:
                 process.wait()
 
 
-_FOLLOWER = "import sys; from llm_core.ep_engine import follower_main; sys.exit(follower_main(sys.argv[1:]))"
+_FOLLOWER = "import sys; from llm_core.ep_follower import follower_main; sys.exit(follower_main(sys.argv[1:]))"
 
 
 def launch_local_group(size: int, model: str | Path, device: str, dtype: str, engine_options: dict[str, Any],
@@ -328,30 +327,3 @@ def launch_local_group(size: int, model: str | Path, device: str, dtype: str, en
 
 def _rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if torch.device(device).type == "cuda" else device
-
-
-def follower_main(argv: Sequence[str]) -> int:
-    """Rank ``argv[0]`` of the group ``argv[1]`` (the leader's JSON spec) describes."""
-    from llm_core.llm import LLM
-
-    rank, spec = int(argv[0]), json.loads(argv[1])
-    logging.basicConfig(level=logging.INFO, format=f"[ep rank {rank}] %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(spec["threads"])
-    device = _rank_device(spec["device"], rank)
-    ep = init_expert_parallel(spec["size"], rank, spec["init_method"], spec["backend"], device)
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["engine_options"].items()}
-    try:
-        llm = LLM(spec["model"], device=device, dtype=spec["dtype"], ep=ep, quantization=spec["quantization"],
-                  **options)
-    except Exception:  # noqa: BLE001 - reported to the leader, which refuses to start
-        log.exception("building the engine failed")
-        handshake(ep, False)
-        return 1
-    try:
-        if handshake(ep, True):
-            return 1  # another rank failed: the leader gives up
-        follow(llm)
-    except ExpertParallelError as exc:
-        log.error("%s", exc)
-        return 1
-    return 0

@@ -21,7 +21,8 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
-from llm_core.kv_tiers import ADDRESS_BYTES, FULL, SWA
+from llm_core.kv_tiers import FULL, SWA
+from llm_core.page_address import ADDRESS_BYTES
 
 Medium = Literal["device", "host", "disk"]
 MEDIA: tuple[Medium, ...] = ("device", "host", "disk")
@@ -33,7 +34,7 @@ __all__ = ["MEDIA", "EventBatch", "KVEvent", "KVEventLog", "Medium"]
 @dataclass(frozen=True, slots=True)
 class KVEvent:
     medium: Medium
-    address: bytes  # the page's address: a hash chain over the prefix's tokens (kv_tiers.page_address)
+    address: bytes  # the page's address: a hash chain over the prefix's tokens (page_address.page_address)
     part: bytes  # FULL (the page's full-attention KV) or SWA (a window's SWA KV on this page)
     held: int  # after the event -- FULL: 1 present, 0 gone; SWA: the page's last positions held, 0 gone
 

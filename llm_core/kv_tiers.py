@@ -6,12 +6,9 @@ when host memory is full its least recently used entries *spill* to local
 disk, and the disk drops its least recently used ones. A request whose prefix
 continues past the device tree into these tiers has the pages *restored*.
 
-Entries are addressed by content, not by slot: a full page's address is a
-hash chain over the token ids of every page from the start of the sequence
-(multimodal spans enter as their cache tokens), seeded with a model
-fingerprint, so the same prefix has the same address in every process and
-after a restart, and another model's pages are never read. Two kinds of
-entry per address: the page's full-attention KV (``FULL``) and the SWA
+Entries are addressed by content, not by slot (``page_address.py``), so the
+same prefix has the same address in every process and after a restart, and
+another model's pages are never read. Two kinds of entry per address: the page's full-attention KV (``FULL``) and the SWA
 (and MTP) KV of the last ``tokens`` positions of the page (``SWA``), which
 is all a checkpoint's window needs: SWA KV is never stored for a whole
 prefix.
@@ -24,39 +21,15 @@ trace simulator) transfers are only counted.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-import numpy as np
-import xxhash
+from llm_core.page_address import ADDRESS_BYTES
 
 Tier = Literal["host", "disk"]
 TIERS: tuple[Tier, ...] = ("host", "disk")
 FULL, SWA = b"F", b"S"
-ADDRESS_BYTES = 16
-
-
-def model_fingerprint(*parts: bytes | str) -> bytes:
-    """The root of every address chain: a hash of what makes KV bytes
-    comparable (model config, weights identity, KV dtype, page size)."""
-    h = xxhash.xxh3_128()
-    for part in parts:
-        data = part.encode() if isinstance(part, str) else part
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.digest()
-
-
-def token_bytes(key: Hashable) -> bytes:
-    """A page key (a tuple of token ids, negative for multimodal cache tokens)
-    as the bytes its address hashes."""
-    return np.asarray(key, dtype=np.int64).tobytes()
-
-
-def page_address(parent: bytes, key_bytes: bytes) -> bytes:
-    """Address of a page: its parent's address chained with its own tokens."""
-    return xxhash.xxh3_128_digest(parent + key_bytes)
 
 
 class TierIO(Protocol):

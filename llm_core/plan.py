@@ -15,7 +15,7 @@ Assumptions (each a field of ``Hardware`` or stated where it is used):
   spread over the experts.
 
 No torch kernels run: parameters are counted on the meta device, KV capacity
-is the real pool allocator admitting requests (``bench.kv_capacity``).
+is the real pool allocator admitting requests (``llm_core.kv_capacity``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from llm_core.bench.kv_capacity import GIB, kv_capacity
+from llm_core.kv_capacity import GIB, kv_capacity
 from llm_core.config import ModelConfig
 
 __all__ = ["ExpertSplit", "Hardware", "ParameterCounts", "WeightBytes", "parameter_counts", "plan", "weight_bytes"]

@@ -32,8 +32,8 @@ from typing import TypeVar
 
 from llm_core.kv_events import KVEventLog
 from llm_core.kv_pool import KVAllocator, SequenceView
-from llm_core.kv_tiers import FULL, SWA, TIERS, KVTiers, Tier, model_fingerprint, page_address, token_bytes
-from llm_core.router import CacheGeometry
+from llm_core.kv_tiers import FULL, SWA, TIERS, KVTiers, Tier
+from llm_core.page_address import CacheGeometry, model_fingerprint, page_address, token_bytes
 
 PageKey = Hashable  # tuple of a page's token ids (engine) or a block identity (trace)
 

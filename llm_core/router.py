@@ -40,21 +40,16 @@ import itertools
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-import xxhash
-
 from llm_core.kv_events import MEDIA, EventBatch, KVEvent, Medium
 from llm_core.kv_tiers import FULL, SWA
+from llm_core.page_address import CacheGeometry, token_page_addresses
 
 __all__ = [
     "ROUTE_POLICIES",
-    "CacheGeometry",
     "NoWorkers",
     "PrefixIndex",
     "RouteDecision",
     "Router",
-    "chain_addresses",
-    "token_page_addresses",
 ]
 
 ROUTE_POLICIES = ("kv-affinity", "round-robin", "least-load")
@@ -64,43 +59,6 @@ _MEDIUM_INDEX = {medium: i for i, medium in enumerate(MEDIA)}
 
 class NoWorkers(RuntimeError):
     """No worker is alive to take the request."""
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    """What a router must know of a worker's prefix cache: how its pages are
-    addressed and what makes a prefix window-safe there."""
-
-    fingerprint: bytes  # the root of the address chain (model, weights, KV layout)
-    page_size: int
-    window_tokens: int  # W: the SWA positions a hit needs before its end
-    keep_all_swa: bool = False  # SWA KV for every position (no SWA support): the window is the whole prefix
-
-    def window_start(self, end: int) -> int:
-        return 0 if self.keep_all_swa else max(0, end - self.window_tokens)
-
-    def max_pages(self, num_tokens: int) -> int:
-        """Pages a request of ``num_tokens`` can reuse: one token must always run."""
-        return max(0, num_tokens - 1) // self.page_size
-
-
-def chain_addresses(root: bytes, page_keys: Iterable[bytes]) -> list[bytes]:
-    """Addresses of consecutive pages given each page key's bytes (``kv_tiers.page_address`` chained)."""
-    out, parent = [], root
-    for key in page_keys:
-        parent = xxhash.xxh3_128_digest(parent + key)
-        out.append(parent)
-    return out
-
-
-def token_page_addresses(geometry: CacheGeometry, tokens: Sequence[int], max_pages: int | None = None) -> list[bytes]:
-    """Addresses of the full pages of ``tokens`` (the prefix cache's view of a
-    prompt: a multimodal span's positions hold its negative cache token)."""
-    ps = geometry.page_size
-    pages = len(tokens) // ps if max_pages is None else min(len(tokens) // ps, max_pages)
-    raw = np.asarray(tokens[: pages * ps], dtype=np.int64).tobytes()
-    width = ps * 8
-    return chain_addresses(geometry.fingerprint, (raw[i * width : (i + 1) * width] for i in range(pages)))
 
 
 class PrefixIndex:

@@ -33,13 +33,12 @@ from llm_core.attention import AttentionBackend
 from llm_core.device import column, to_device
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.multimodal import MultimodalSpan
+from llm_core.attention_backends import DecodeAttentionBackend, PagedAttentionBackend
 from llm_core.paged_attention import (
     AttentionFn,
-    DecodeAttentionBackend,
     DecodeAttentionFn,
     DecodeBatch,
     KVCacheTensors,
-    PagedAttentionBackend,
     PagedBatch,
 )
 from llm_core.sampling import SamplingPlan, SamplingRow, draw_drafts

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from api.cli import build_parser
+from swallow.cli import build_parser
 from api.stack.plan import plan_stack
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -221,7 +221,7 @@ def export_checkpoint(original: Path, config: ModelConfig, out_dir: Path, hub_wi
 
 
 def export(out_dir: Path, hub_window: bool, skip_swallow: bool) -> None:
-    from llm_core.bench.throughput import best_of, make_workload, run_swallow
+    from bench.throughput import best_of, make_workload, run_swallow
     from llm_core.checkpoint import write_random_checkpoint
     from llm_core.presets import tiny
 

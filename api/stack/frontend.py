@@ -24,7 +24,8 @@ from api.chat import MediaRef
 from api.engine_loop import Detokenizer, EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
 from api.frontend import MediaEmbedding
 from api.metrics import ServerMetrics
-from api.runtime import ServerOptions, media_kinds
+from api.options import ServerOptions
+from api.runtime import media_kinds
 from api.stack import messages as m
 from api.stack.links import Link, LinkSet, ServiceDown
 from api.stack.transport import parse_peers, send
@@ -33,7 +34,8 @@ from llm_core import ModelConfig, MultimodalSpan, SamplingParams
 from llm_core.chat import ChatTemplate
 from llm_core.llm import check_context_length, encode_prompt
 from llm_core.multimodal import SpanRef, with_cache_tokens
-from llm_core.router import DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_LOAD_RATIO, CacheGeometry, NoWorkers, Router
+from llm_core.page_address import CacheGeometry
+from llm_core.router import DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_LOAD_RATIO, NoWorkers, Router
 from llm_core.tokenizer import Tokenizer
 from media import MediaError
 

@@ -10,6 +10,8 @@ import socket
 import sys
 from pathlib import Path
 
+from api.options import engine_argv, engine_options, passed_arguments, server_options
+
 __all__ = ["run"]
 
 
@@ -28,9 +30,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
-    from api.cli import _ensure_default_model
+    from api.models import ensure_default_model
 
-    return Path(args.model) if args.model else _ensure_default_model()
+    return Path(args.model) if args.model else ensure_default_model()
 
 
 def _id(args: argparse.Namespace, role: str) -> str:
@@ -40,7 +42,6 @@ def _id(args: argparse.Namespace, role: str) -> str:
 def _api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from api.cli import server_options
     from api.metrics import ServerMetrics
     from api.server import create_app
     from api.stack.frontend import StackFrontend
@@ -71,7 +72,6 @@ def _encoder(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from api.cli import engine_options
     from api.stack.worker import WorkerConfig, run_worker
 
     if args.torch_threads:
@@ -100,45 +100,20 @@ def _stack(args: argparse.Namespace) -> int:
     plan = plan_stack(
         _model_dir(args), workers=workers, encoders=args.encoders, host=args.host, port=args.port,
         internal_ports=ports, store_name=f"swallow-stack-{os.getpid()}", embedding_cache_mib=args.embedding_cache_mib,
-        route_args=_passed(args, ("--route-policy", "route_policy"), ("--route-load-weight", "route_load_weight"),
+        route_args=passed_arguments(args, ("--route-policy", "route_policy"), ("--route-load-weight", "route_load_weight"),
                           ("--route-max-load-ratio", "route_max_load_ratio")),
-        http_args=_passed(args, ("--served-model-name", "served_model_name"), ("--api-key", "api_key"),
+        http_args=passed_arguments(args, ("--served-model-name", "served_model_name"), ("--api-key", "api_key"),
                           ("--max-upload-mb", "max_upload_mb"), ("--spool-dir", "spool_dir"),
                           ("--max-pending-requests", "max_pending_requests")),
-        engine_args=_engine_args(args), kv_disk_dir=args.kv_disk_dir, log_level=args.log_level,
+        engine_args=engine_argv(args), kv_disk_dir=args.kv_disk_dir, log_level=args.log_level,
         worker_roles=roles, worker_args=_worker_args(args, disaggregated=bool(roles)))
     return run_stack(plan, int(args.embedding_cache_mib * (1 << 20)), print_plan=args.print_plan)
 
 
 def _worker_args(args: argparse.Namespace, disaggregated: bool) -> list[str]:
-    out = _passed(args, ("--torch-threads", "torch_threads"))
+    out = passed_arguments(args, ("--torch-threads", "torch_threads"))
     if disaggregated:
         out += ["--kv-transport", args.kv_transport, "--transfer-timeout", str(args.transfer_timeout)]
     return out
 
 
-def _passed(args: argparse.Namespace, *options: tuple[str, str]) -> list[str]:
-    out: list[str] = []
-    for flag, name in options:
-        value = getattr(args, name)
-        if value is not None:
-            out += [flag, str(value)]
-    return out
-
-
-def _engine_args(args: argparse.Namespace) -> list[str]:
-    """The engine options given to `stack`, for each worker's command line."""
-    out = _passed(args, ("--device", "device"), ("--dtype", "dtype"), ("--kv-budget-mib", "kv_budget_mib"),
-                  ("--max-running-requests", "max_running_requests"),
-                  ("--max-num-batched-tokens", "max_num_batched_tokens"),
-                  ("--cuda-graph-max-batch", "cuda_graph_max_batch"), ("--speculative-tokens", "speculative_tokens"),
-                  ("--schedule-policy", "schedule_policy"), ("--schedule-buckets", "schedule_buckets"),
-                  ("--kv-host-gib", "kv_host_gib"), ("--kv-disk-gib", "kv_disk_gib"),
-                  ("--quantization", "quantization"), ("--kv-cache-dtype", "kv_cache_dtype"))
-    if args.no_prefix_caching:
-        out.append("--no-prefix-caching")
-    if args.ep_size != 1:
-        out += ["--ep-size", str(args.ep_size)]
-    if args.compile is not None:
-        out.append("--compile" if args.compile else "--no-compile")
-    return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from api.cli import write_random_multimodal
+from api.models import write_random_multimodal
 from llm_core.presets import tiny
 from tests.api.bad_inputs import Case, build_corpus
 from tests.api.live import LiveServer, live_server

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.cli import write_random_multimodal
+from api.models import write_random_multimodal
 from llm_core import LLM, SamplingParams
 from llm_core.chat import ChatTemplate
 from llm_core.presets import tiny

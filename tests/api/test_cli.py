@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from api.cli import main
+from swallow.cli import main
 from llm_core import LLM, SamplingParams
 from llm_core.presets import tiny
 
@@ -58,13 +58,13 @@ def test_init_checkpoint_multimodal_loads_with_encoders(tmp_path: Path, capsys) 
 
 
 def test_schedule_buckets_option() -> None:
-    from api.cli import _bucket_edges
+    from api.options import bucket_edges
 
-    assert _bucket_edges(None) is None  # the model's default
-    assert _bucket_edges("none") == ()
-    assert _bucket_edges("65536,262144") == (65536, 262144)
+    assert bucket_edges(None) is None  # the model's default
+    assert bucket_edges("none") == ()
+    assert bucket_edges("65536,262144") == (65536, 262144)
     with pytest.raises(SystemExit, match="comma-separated"):
-        _bucket_edges("64K")
+        bucket_edges("64K")
 
 
 def test_init_checkpoint_fp8_writes_the_published_layout(tmp_path: Path, capsys) -> None:  # noqa: ANN001
@@ -84,11 +84,11 @@ def test_init_checkpoint_fp8_writes_the_published_layout(tmp_path: Path, capsys)
 
 
 def test_engine_flags_reach_the_engine_and_every_stack_worker() -> None:
-    from api.cli import build_parser, engine_options
-    from api.stack.roles import _engine_args
+    from swallow.cli import build_parser
+    from api.options import engine_argv, engine_options
 
     args = build_parser().parse_args(["stack", "--quantization", "none", "--kv-cache-dtype", "fp8_e4m3"])
     assert {"quantization": "none", "kv_cache_dtype": "fp8_e4m3"}.items() <= engine_options(args).items()
-    forwarded = _engine_args(args)
+    forwarded = engine_argv(args)
     assert forwarded[forwarded.index("--quantization") + 1] == "none"
     assert forwarded[forwarded.index("--kv-cache-dtype") + 1] == "fp8_e4m3"

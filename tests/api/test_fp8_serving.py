@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from api.cli import write_random_multimodal
+from api.models import write_random_multimodal
 from api.launch import launch_stack
 from llm_core.fp8_dequantize import write_dequantized_copy
 from llm_core.presets import tiny

@@ -26,7 +26,8 @@ from llm_core import SamplingParams
 from llm_core.kv_events import KVEventLog
 from llm_core.kv_tiers import FULL, SWA
 from llm_core.grammar import GrammarSpec
-from llm_core.router import CacheGeometry, Router, token_page_addresses
+from llm_core.page_address import CacheGeometry, token_page_addresses
+from llm_core.router import Router
 
 
 # ------------------------------------------------------------------ messages
@@ -297,7 +298,7 @@ def test_routing_decisions_and_worker_load_reach_the_metrics() -> None:
 def test_route_options_reach_the_api_process_of_the_stack(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from api.cli import main
+    from swallow.cli import main
 
     assert main(["stack", "--workers", "2", "--print-plan", "--route-policy", "least-load",
                  "--route-load-weight", "0.5", "--route-max-load-ratio", "1.5"]) == 0

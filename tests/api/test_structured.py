@@ -10,7 +10,7 @@ import pytest
 import tokenizers
 from llguidance import LLMatcher, LLTokenizer
 
-from api.chat import BadRequest
+from api.errors import BadRequest
 from api.structured import (
     MAX_TOOLS,
     grammar_for_response_format,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from api.cli import DEMO_MODEL_DIR, _ensure_default_model, main
+from swallow.cli import main
+from api.models import DEMO_MODEL_DIR, ensure_default_model
 from demo.evaluate import ask, eval_demo
 from demo.train import PackedCausalAttention, TrainConfig, finetune_config, train_demo
 from demo.world import answer_matches, make_sample, write_media
@@ -78,7 +79,7 @@ def test_packed_training_attention_equals_per_sequence_reference(
 def test_committed_demo_model_is_small_and_served_by_default() -> None:
     size = sum(p.stat().st_size for p in DEMO_MODEL_DIR.iterdir())
     assert size <= 20 << 20, f"{size / (1 << 20):.1f} MiB"
-    assert _ensure_default_model() == DEMO_MODEL_DIR
+    assert ensure_default_model() == DEMO_MODEL_DIR
 
 
 @needs_demo_model

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from api.cli import DEMO_MODEL_DIR
+from api.models import DEMO_MODEL_DIR
 from demo.dialogue import (
     ADDED_TOKENS,
     DEMO_CHAT_TEMPLATE,

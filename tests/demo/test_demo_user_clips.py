@@ -12,7 +12,7 @@ import av
 import numpy as np
 import pytest
 
-from api.cli import DEMO_MODEL_DIR
+from api.models import DEMO_MODEL_DIR
 from demo.evaluate import ask_many
 from demo.world import answer_matches
 

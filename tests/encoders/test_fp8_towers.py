@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from api.cli import write_random_multimodal
+from api.models import write_random_multimodal
 from encoders.multimodal_checkpoint import ENCODER_SHARD, load_encoders
 from llm_core.fp8 import quantize_blockwise
 from llm_core.fp8_dequantize import write_dequantized_copy

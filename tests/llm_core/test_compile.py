@@ -13,7 +13,7 @@ import torch
 from llm_core.checkpoint import write_random_checkpoint
 from llm_core.engine import compiled, compiled_decode_logits, decode_logits, extend_hidden
 from llm_core.llm import LLM
-from llm_core.paged_attention import DecodeAttentionBackend
+from llm_core.attention_backends import DecodeAttentionBackend
 from llm_core.presets import tiny
 from llm_core.sampling import SamplingParams
 

@@ -10,7 +10,8 @@ import pytest
 from llm_core.cache_sim import CacheSimulator
 from llm_core.kv_events import EventBatch, KVEvent, KVEventLog
 from llm_core.kv_tiers import FULL, SWA
-from llm_core.router import PrefixIndex, token_page_addresses
+from llm_core.page_address import token_page_addresses
+from llm_core.router import PrefixIndex
 
 PAGE = 4
 WINDOW = 6  # W = 5 tokens: a window spans two pages

@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 from llm_core.cache_sim import CacheSimulator
-from llm_core.kv_tiers import FULL, SWA, KVTiers, TierConfig, model_fingerprint, page_address, token_bytes
+from llm_core.kv_tiers import FULL, SWA, KVTiers, TierConfig
+from llm_core.page_address import model_fingerprint, page_address, token_bytes
 
 PAGE, WINDOW = 4, 9  # W = 8 tokens: a checkpoint window spans 2 pages
 

@@ -85,7 +85,7 @@ def test_hardware_is_checked() -> None:
 
 
 def test_plan_command_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> None:
-    from api.cli import main
+    from swallow.cli import main
 
     assert main(["plan", "--preset", "tiny", "--gpus", "4", "--gpu-mem-gib", "0.05", "--reserve-gib", "0",
                  "--context", "2048", "--json"]) == 0

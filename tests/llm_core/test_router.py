@@ -10,7 +10,8 @@ from llm_core.cache_sim import CacheSimulator
 from llm_core.kv_events import KVEventLog
 from llm_core.kv_tiers import FULL, SWA
 from llm_core.prefix_cache import RadixNode
-from llm_core.router import CacheGeometry, NoWorkers, Router, token_page_addresses
+from llm_core.page_address import CacheGeometry, token_page_addresses
+from llm_core.router import NoWorkers, Router
 
 PAGE = 4
 GEOMETRY = CacheGeometry(b"\x07" * 16, PAGE, window_tokens=5)  # a window spans two pages

@@ -1,1 +1,0 @@
-"""`swallow bench NAME`: benchmarks that print one JSON object with their baseline."""

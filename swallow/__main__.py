@@ -1,0 +1,5 @@
+import sys
+
+from swallow.cli import main
+
+sys.exit(main())

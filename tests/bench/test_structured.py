@@ -1,0 +1,36 @@
+"""``swallow bench structured`` on a small batch: the figures it prints and the
+checks it makes on the constrained outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.structured import SCHEMA, structured_bench
+from llm_core import LLM, SamplingParams
+from llm_core.grammar import GrammarSpec
+
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
+
+
+def test_bench_prints_both_rates_and_their_ratio() -> None:
+    result = structured_bench(DEMO, batch=2, max_tokens=24, repeats=1)
+    for figures in (result, result["without_drafts"]):
+        assert figures["constrained_tok_s"] > 0 and figures["unconstrained_tok_s"] > 0
+        assert figures["ratio"] == pytest.approx(figures["constrained_tok_s"] / figures["unconstrained_tok_s"],
+                                                 abs=2e-3)
+    assert result["speculative_tokens"] > 0 and result["without_drafts"]["speculative_tokens"] == 0
+    json.dumps(result)
+
+
+def test_the_bench_schema_never_completes_within_its_budget() -> None:
+    """Both runs must generate max_tokens tokens: the schema outlasts them."""
+    llm = LLM(DEMO, speculative_tokens=0)
+    assert llm.tokenizer is not None
+    prompt = llm.tokenizer.encode("<|im_start|>user\nDescribe it.<|im_end|>\n<|im_start|>assistant\n")
+    params = SamplingParams(max_tokens=96, temperature=0.8, seed=3,
+                            grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    out = llm.generate([prompt], params)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 96
