@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint-imports clean
+.PHONY: install serve test test-fast lint-imports clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ serve: install
 
 test: install lint-imports
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The unit tier: everything but the files tests/conftest.py names as integration.
+test-fast: install lint-imports
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The import rules of .importlinter: layers, no cycles, the stack's roles apart.
 lint-imports: install

@@ -11,25 +11,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from api.chat import MediaRef
 from api.engine_loop import AsyncEngine
 from api.frontend import MediaEmbedding
 from api.metrics import ServerMetrics
 from api.options import ServerOptions
-from embedding_cache import Embedding, MediaEmbedder, MediaEmbedderConfig, SharedEmbeddingStore
+from embedding_cache import Embedding, EmbeddingCache, MediaEmbedder, MediaEmbedderConfig, SharedEmbeddingStore
 from encoders import BatcherConfig, EncoderBatcher
 from encoders.multimodal_checkpoint import encoder_kinds, load_encoders, placeholder_token_ids
 from llm_core import LLM
 from llm_core.chat import ChatTemplate
+from llm_core.device import compute_dtype
 from llm_core.tokenizer import Tokenizer
 from media import VIDEO_PREPROCESS, MediaLimits, VisionPreprocessConfig
 
 __all__ = ["LocalEmbedder", "LocalMedia", "ServingModel", "build_media", "embed_media", "media_config",
            "media_kinds"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def media_config(model_dir: Path, limits: MediaLimits) -> MediaEmbedderConfig:
@@ -109,14 +107,27 @@ class LocalMedia:
 def build_media(model_dir: Path, store: SharedEmbeddingStore, options: ServerOptions,
                 metrics: ServerMetrics | None, device: str, dtype: str) -> LocalMedia | None:
     """The checkpoint's encoders over ``store``; None for a text-only one."""
-    encoders = load_encoders(model_dir, dtype=_DTYPES[dtype], device=device)
+    pipeline = media_pipeline(model_dir, store, options.max_upload_bytes, metrics, device, dtype)
+    if pipeline is None:
+        return None
+    batcher, media_embedder = pipeline
+    return LocalMedia(batcher, media_embedder, LocalEmbedder(media_embedder))
+
+
+def media_pipeline(model_dir: Path, cache: SharedEmbeddingStore | EmbeddingCache, max_file_bytes: int,
+                   metrics: ServerMetrics | None, device: str,
+                   dtype: str) -> tuple[EncoderBatcher, MediaEmbedder] | None:
+    """The checkpoint's encoders batched across requests, behind a ``MediaEmbedder``
+    that decodes, preprocesses and caches in ``cache``: what serves media, in the
+    API process (``serve``) and in a stack's encoder alike. None: the checkpoint
+    has no encoders."""
+    encoders = load_encoders(model_dir, dtype=compute_dtype(dtype), device=device)
     if not encoders:
         return None
     on_batch = metrics.observe_encoder_batch if metrics is not None else None
     batcher = EncoderBatcher(encoders, BatcherConfig(), on_batch=on_batch)
-    limits = MediaLimits(max_file_bytes=options.max_upload_bytes)
-    media_embedder = MediaEmbedder(batcher, store, media_config(model_dir, limits))
-    return LocalMedia(batcher, media_embedder, LocalEmbedder(media_embedder))
+    limits = MediaLimits(max_file_bytes=max_file_bytes)
+    return batcher, MediaEmbedder(batcher, cache, media_config(model_dir, limits))
 
 
 class ServingModel:

@@ -31,8 +31,8 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -186,31 +186,14 @@ class SharedEmbeddingStore:
     ) -> SharedEmbeddingStore:
         """A new, empty store; FileExistsError if the name is taken."""
         layout = StoreLayout.plan(capacity_bytes, block_size, max_entries)
-        lock_fd, lock_path = _acquire_lock_file(name, fcntl.LOCK_EX)
-        try:
-            shm = _create_segment(name, layout)
-        except BaseException:
-            os.close(lock_fd)
-            raise
-        fcntl.flock(lock_fd, fcntl.LOCK_UN)
-        return cls(shm, lock_fd, lock_path, layout)
+        return cls._under_lock_file(name, fcntl.LOCK_EX, lambda: (_create_segment(name, layout), layout))
 
     @classmethod
     def attach(cls, name: str) -> SharedEmbeddingStore:
         """The existing store ``name``; FileNotFoundError if there is none,
         StoreLayoutError if the segment is not a store of this layout version."""
-        lock_fd, lock_path = _acquire_lock_file(name, fcntl.LOCK_SH)
-        try:
-            shm, layout = _attach_segment(name)
-        except FileNotFoundError:
-            _remove_quietly(lock_path)  # attach must not leave a lock file for a store that never was
-            os.close(lock_fd)
-            raise
-        except BaseException:
-            os.close(lock_fd)
-            raise
-        fcntl.flock(lock_fd, fcntl.LOCK_UN)
-        return cls(shm, lock_fd, lock_path, layout)
+        # attach must not leave a lock file for a store that never was.
+        return cls._under_lock_file(name, fcntl.LOCK_SH, lambda: _attach_segment(name), keep_lock_file=False)
 
     @classmethod
     def open(
@@ -219,14 +202,28 @@ class SharedEmbeddingStore:
         """Attach to ``name`` if it exists, else create it. Safe when many processes
         race to open the same name. An existing store keeps its own geometry."""
         layout = StoreLayout.plan(capacity_bytes, block_size, max_entries)
-        # Holding the exclusive lock across "is it there? else create" makes the pair atomic.
-        lock_fd, lock_path = _acquire_lock_file(name, fcntl.LOCK_EX)
-        try:
+
+        def attach_or_create() -> tuple[SharedMemory, StoreLayout]:
             try:
-                shm, layout = _attach_segment(name)
+                return _attach_segment(name)
             except FileNotFoundError:
-                shm = _create_segment(name, layout)
-        except BaseException:
+                return _create_segment(name, layout), layout
+
+        # Holding the exclusive lock across "is it there? else create" makes the pair atomic.
+        return cls._under_lock_file(name, fcntl.LOCK_EX, attach_or_create)
+
+    @classmethod
+    def _under_lock_file(cls, name: str, mode: int, segment: Callable[[], tuple[SharedMemory, StoreLayout]],
+                         *, keep_lock_file: bool = True) -> SharedEmbeddingStore:
+        """The store on the segment ``segment()`` creates or attaches while the
+        lock file is held in ``mode``; the store keeps the lock file's descriptor,
+        unlocked. ``keep_lock_file=False``: a missing segment removes the lock file."""
+        lock_fd, lock_path = _acquire_lock_file(name, mode)
+        try:
+            shm, layout = segment()
+        except BaseException as exc:
+            if not keep_lock_file and isinstance(exc, FileNotFoundError):
+                _remove_quietly(lock_path)
             os.close(lock_fd)
             raise
         fcntl.flock(lock_fd, fcntl.LOCK_UN)
@@ -389,29 +386,28 @@ class SharedEmbeddingStore:
     # ------------------------------------------------------------------ locking
 
     @contextmanager
-    def _reading(self) -> Iterator[None]:
+    def _locked(self, mode: int) -> Iterator[None]:
+        """This thread alone, and the store's lock file held in ``mode`` across processes."""
         with self._thread_lock:
             self._check_open()
-            fcntl.flock(self._own_lock_fd(), fcntl.LOCK_SH)
+            fcntl.flock(self._own_lock_fd(), mode)
             try:
                 yield
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
+    def _reading(self) -> AbstractContextManager[None]:
+        return self._locked(fcntl.LOCK_SH)
+
     @contextmanager
     def _writing(self) -> Iterator[None]:
-        with self._thread_lock:
-            self._check_open()
-            fcntl.flock(self._own_lock_fd(), fcntl.LOCK_EX)
-            try:
-                if self._header[_H_DIRTY]:
-                    self._repair()
-                self._header[_H_DIRTY] = 1
-                yield
-                # Left set if the mutation raised: the next writer then repairs.
-                self._header[_H_DIRTY] = 0
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        with self._locked(fcntl.LOCK_EX):
+            if self._header[_H_DIRTY]:
+                self._repair()
+            self._header[_H_DIRTY] = 1
+            yield
+            # Left set if the mutation raised: the next writer then repairs.
+            self._header[_H_DIRTY] = 0
 
     def _check_open(self) -> None:
         if self._closed:

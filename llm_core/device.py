@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["column", "to_device"]
+__all__ = ["COMPUTE_DTYPES", "column", "compute_dtype", "to_device"]
+
+# What an engine or an encoder computes in, by the names the command line takes.
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                          "float16": torch.float16}
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """The torch dtype ``name`` stands for; a ValueError naming the choices for any other name."""
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(COMPUTE_DTYPES)}, got {name!r}")
+    return COMPUTE_DTYPES[name]
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from llm_core.config import ModelConfig
+from llm_core.device import compute_dtype
 from llm_core.disagg import KVReservation, PrefilledKV
 from llm_core.grammar import GrammarCompiler
 from llm_core.engine import Engine, EngineConfig, TokenEvent
@@ -22,7 +23,6 @@ from llm_core.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm_core.warmup import CompileCounter, warm_up
 from llm_core.weights import QUANTIZATION_MODES, QuantizationMode, describe_weights, load_model
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Prompt = str | Sequence[int]
 # Called as on_token(prompt_index, token_id, finish_reason) for every generated token.
 TokenCallback = Callable[[int, int, str | None], None]
@@ -73,8 +73,7 @@ class LLM:
         FP8 GEMMs run (``"auto"``: CUDA of compute capability 8.9+), always
         (``"fp8"``; a float checkpoint is quantized at load) or never (``"none"``:
         dequantized to ``dtype`` at load, as ``"auto"`` does elsewhere)."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        torch_dtype = compute_dtype(dtype)
         if quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
         self.quantization = quantization
@@ -93,7 +92,7 @@ class LLM:
         self.ep = ep
         self.compiles = CompileCounter()
         try:
-            self._build(DTYPES[dtype], engine_config)
+            self._build(torch_dtype, engine_config)
         except BaseException:
             self._stop_followers(wait=False)  # a leader that cannot start leaves no rank behind
             raise

@@ -19,8 +19,41 @@ from llm_core.checkpoint import write_random_checkpoint
 _REPORT = pytest.StashKey[list[str]]()
 
 
+# The integration tier: files that start servers, stacks or engine-core
+# processes, compile, train, run a benchmark or check a model end to end
+# against transformers (each over ~4 s on 2 cores). `make test-fast` leaves
+# them out; `make test` runs everything. A file that joins this tier is named here.
+INTEGRATION_FILES = frozenset({
+    "api/test_agent_api.py", "api/test_bad_input_corpus.py", "api/test_chat_server.py", "api/test_demo_page.py",
+    "api/test_demo_routes.py", "api/test_disagg_stack.py", "api/test_engine_core.py", "api/test_engine_loop.py",
+    "api/test_fault_isolation.py", "api/test_fp8_serving.py", "api/test_openapi_fuzz.py", "api/test_server.py",
+    "api/test_stack.py", "api/test_stack_parts.py", "api/test_textstream.py", "api/test_uploads.py",
+    "bench/test_encoder.py", "bench/test_ep.py", "bench/test_fp8.py", "bench/test_load.py", "bench/test_pd.py",
+    "bench/test_router.py", "bench/test_schedule_replay.py", "bench/test_serve.py", "bench/test_structured.py",
+    "bench/test_throughput.py", "bench/test_tiers.py",
+    "demo/test_demo.py", "demo/test_demo_user_clips.py", "demo/test_demo_world.py",
+    "embedding_cache/test_keys.py", "embedding_cache/test_ring.py", "embedding_cache/test_service.py",
+    "embedding_cache/test_store.py",
+    "llm_core/test_block_table.py", "llm_core/test_compile.py", "llm_core/test_config_sweep.py",
+    "llm_core/test_engine.py", "llm_core/test_engine_kv_tiers.py", "llm_core/test_engine_multimodal.py",
+    "llm_core/test_engine_prefix_cache.py", "llm_core/test_expert_parallel.py", "llm_core/test_fp8.py",
+    "llm_core/test_kv_fp8.py", "llm_core/test_kv_transfer.py", "llm_core/test_kv_transport.py",
+    "llm_core/test_sampling.py", "llm_core/test_schedule_policy.py", "llm_core/test_speculative.py",
+    "llm_core/test_structured_decoding.py", "llm_core/test_triton_attention.py", "llm_core/test_triton_fp8.py",
+    "llm_core/test_warmup.py",
+    "media/test_video.py",
+})
+_TESTS = Path(__file__).resolve().parent
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_REPORT] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.relative_to(_TESTS).as_posix() in INTEGRATION_FILES:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

@@ -17,32 +17,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api.metrics import ServerMetrics
-from api.runtime import embed_media, media_config, media_kinds
+from api.runtime import embed_media, media_kinds, media_pipeline
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
-from api.stack.service import Peers, ServiceSocket, every, install_stop_signals
+from api.stack.service import Peers, ServiceSocket, every, run_service
 from api.stack.transport import recv_message, send
-from embedding_cache import MediaEmbedder, SharedEmbeddingStore, embedding_cache_routes
-from encoders import BatcherConfig, EncoderBatcher, EncoderQueueFull
-from encoders.multimodal_checkpoint import load_encoders, placeholder_token_ids
-from media import MediaError, MediaLimits
+from embedding_cache import SharedEmbeddingStore, embedding_cache_routes
+from encoders import EncoderQueueFull
+from encoders.multimodal_checkpoint import placeholder_token_ids
+from media import MediaError
 
 __all__ = ["EncoderConfig", "EncoderService", "run_encoder"]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -66,13 +64,15 @@ class EncoderService:
         self.config = config
         self.incarnation = uuid.uuid4().hex
         self.metrics = ServerMetrics()
-        encoders = load_encoders(config.model_dir, dtype=_DTYPES[config.dtype], device=config.device)
-        self.media_kinds = sorted(media_kinds(set(encoders), placeholder_token_ids(config.model_dir)))
         self.store = SharedEmbeddingStore.open(config.store_name, config.store_bytes)
         self.cache = embedding_cache(self.store, config.embedding_peers, config.embedding_node)
-        self.batcher = EncoderBatcher(encoders, BatcherConfig(), on_batch=self.metrics.observe_encoder_batch)
-        limits = MediaLimits(max_file_bytes=config.max_file_bytes)
-        self.embedder = MediaEmbedder(self.batcher, self.cache, media_config(config.model_dir, limits))
+        pipeline = media_pipeline(config.model_dir, self.cache, config.max_file_bytes, self.metrics, config.device,
+                                  config.dtype)
+        if pipeline is None:
+            self.store.close()
+            raise ValueError(f"{config.model_dir} has no media encoders: an encoder has nothing to serve")
+        self.batcher, self.embedder = pipeline
+        self.media_kinds = sorted(media_kinds(set(self.batcher.kinds), placeholder_token_ids(config.model_dir)))
         self.peers = Peers()
         self._service: ServiceSocket | None = None
 
@@ -167,9 +167,4 @@ class EncoderService:
 
 
 async def run_encoder(config: EncoderConfig) -> None:
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    started = time.perf_counter()
-    service = await asyncio.to_thread(EncoderService, config)
-    log.info("encoder %s loaded in %.1f s", config.encoder_id, time.perf_counter() - started)
-    await service.serve(stop)
+    await run_service(partial(EncoderService, config), f"encoder {config.encoder_id}")

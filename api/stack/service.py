@@ -11,7 +11,7 @@ import signal
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 import zmq
@@ -100,6 +100,21 @@ def install_stop_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+
+class Service(Protocol):
+    async def serve(self, stop: asyncio.Event) -> None: ...
+
+
+async def run_service(build: Callable[[], Service], name: str) -> None:
+    """A role's process: its service built off the event loop (loading weights
+    must not block it), then served until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    started = time.perf_counter()
+    service = await asyncio.to_thread(build)
+    log.info("%s loaded in %.1f s", name, time.perf_counter() - started)
+    await service.serve(stop)
 
 
 @dataclass

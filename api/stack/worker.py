@@ -38,6 +38,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from api.engine_loop import (
 from api.metrics import ServerMetrics
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
-from api.stack.service import Peers, ServiceSocket, every, install_stop_signals
+from api.stack.service import Peers, ServiceSocket, every, run_service
 from api.stack.transport import connect_dealer, recv_message, send
 from embedding_cache import EmbeddingCache, SharedEmbeddingStore
 from llm_core import LLM, MultimodalSpan, SamplingParams
@@ -616,12 +617,7 @@ def default_id(role: str, port: int) -> str:
 
 
 async def run_worker(config: WorkerConfig) -> None:
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    started = time.perf_counter()
-    service = await asyncio.to_thread(WorkerService, config)  # loading the weights does not block the loop
-    log.info("worker %s loaded in %.1f s", config.worker_id, time.perf_counter() - started)
-    await service.serve(stop)
+    await run_service(partial(WorkerService, config), f"worker {config.worker_id}")
 
 
 def _tokens_message(request_id: str, event: StreamEvent) -> m.Tokens:
