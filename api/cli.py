@@ -1,4 +1,5 @@
-"""The `swallow` command line."""
+"""The serving commands of `swallow` (`serve`, the stack's roles, `plan`,
+`init-checkpoint`); `python -m api.cli` runs them alone."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.models import ensure_default_model, write_random_multimodal
 from api.options import (
@@ -21,6 +22,10 @@ from api.options import (
     engine_options,
     server_options,
 )
+
+if TYPE_CHECKING:
+    from api.routes import RouteSetFactory
+
 
 def _plan(args: argparse.Namespace) -> int:
     import json
@@ -110,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
             model = EngineCoreFrontend(model_dir, engine_core=core, name=args.served_model_name, options=options,
                                        metrics=metrics, device=args.device, dtype=args.dtype)
         print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
-        uvicorn.run(create_app(model, metrics), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(create_app(model, metrics, args.route_sets), host=args.host, port=args.port, log_level=args.log_level)
     finally:
         if core is not None:
             core.stop()
@@ -135,7 +140,7 @@ def _start_engine_core(args: argparse.Namespace, model_dir: Path, options: Any) 
     return core
 
 
-def _add_role_parsers(sub: Any) -> None:
+def _add_role_parsers(sub: Any, route_sets: Sequence[RouteSetFactory]) -> None:
     """The local stack's process roles (`api`, `encoder`, `worker`) and `stack`, which runs them all."""
     from api.stack.plan import DEFAULT_PORTS
 
@@ -154,7 +159,7 @@ def _add_role_parsers(sub: Any) -> None:
                      help="encoders read uploads from the spool directory (same path) instead of receiving bytes")
     add_http_arguments(api)
     api.add_argument("--log-level", default="info")
-    api.set_defaults(func=_run_role)
+    api.set_defaults(func=_run_role, route_sets=tuple(route_sets))
 
     encoder = sub.add_parser("encoder", help="media decode, preprocessing and batched encoders; embeddings go to "
                                              "the machine's shared-memory store")
@@ -249,14 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_serving_commands(sub: Any) -> None:
-    """`serve`, the stack's roles, `plan` and `init-checkpoint` on a command line's sub-commands."""
+def add_serving_commands(sub: Any, route_sets: Sequence[RouteSetFactory] = ()) -> None:
+    """`serve`, the stack's roles, `plan` and `init-checkpoint` on a command line's
+    sub-commands; the HTTP servers (`serve`, `api`) also mount ``route_sets``."""
     serve = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible): the API here, the "
                                          "engine core in its own process")
     add_serve_arguments(serve)
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, route_sets=tuple(route_sets))
 
-    _add_role_parsers(sub)
+    _add_role_parsers(sub, route_sets)
 
     planner = sub.add_parser("plan", help="weights, KV capacity (SWA-aware against full attention) and all-to-all "
                                           "bytes per token for each expert-parallel size of a preset on your GPUs")

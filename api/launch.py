@@ -55,7 +55,7 @@ def launch_server(
     """`swallow serve --model MODEL_DIR EXTRA_ARGS...` on a free localhost port,
     yielded once /health answers, stopped on exit."""
     port = free_port()
-    argv = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir), "--host", LOCALHOST,
+    argv = [sys.executable, "-m", "swallow", "serve", "--model", str(model_dir), "--host", LOCALHOST,
             "--port", str(port), "--log-level", log_level, *extra_args]
     with launch_command(argv, port, env=env, startup_timeout_s=startup_timeout_s) as server:
         yield server
@@ -121,7 +121,7 @@ def launch_stack(
     """`swallow stack` on a free port, yielded once it says it serves (every role
     healthy), stopped with SIGINT (Ctrl-C) on exit."""
     port = free_port()
-    argv = [sys.executable, "-m", "api.cli", "stack", "--model", str(model_dir), "--workers", str(workers),
+    argv = [sys.executable, "-m", "swallow", "stack", "--model", str(model_dir), "--workers", str(workers),
             "--encoders", str(encoders), "--host", LOCALHOST, "--port", str(port), "--log-level", "warning",
             *extra_args]
     with tempfile.NamedTemporaryFile("w+", prefix="swallow-stack-", suffix=".log", delete=False) as log:

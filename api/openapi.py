@@ -20,6 +20,7 @@ instead of refusing clients that send them.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from api.chat import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -149,9 +150,20 @@ COMPLETION_EXAMPLES = {
 _MEDIA_PARTS = {"image": "image_url", "video": "video_url", "audio": "input_audio"}
 
 
-def openapi_document(model_name: str, vocab_size: int, max_model_len: int, media_kinds: Iterable[str]) -> dict:
-    """The OpenAPI document of a server answering with ``model_name``."""
+@dataclass(frozen=True)
+class OpenAPIPart:
+    """What a set of routes mounted beside the API adds to its document."""
+
+    paths: dict[str, Any]
+    schemas: dict[str, Schema] = field(default_factory=dict)
+
+
+def openapi_document(model_name: str, vocab_size: int, max_model_len: int, media_kinds: Iterable[str],
+                     parts: Iterable[OpenAPIPart] = ()) -> dict:
+    """The OpenAPI document of a server answering with ``model_name``, with the
+    paths and schemas of the route sets mounted beside the API (``parts``)."""
     kinds = sorted(media_kinds)
+    parts = list(parts)
     return {
         "openapi": OPENAPI_VERSION,
         "info": {
@@ -162,9 +174,10 @@ def openapi_document(model_name: str, vocab_size: int, max_model_len: int, media
                 f"{max_model_len} tokens, media input: {', '.join(kinds) or 'none'}."
             ),
         },
-        "paths": _paths(kinds),
+        "paths": _paths(kinds) | {path: item for part in parts for path, item in part.paths.items()},
         "components": {
-            "schemas": _schemas(vocab_size, max_model_len, kinds),
+            "schemas": _schemas(vocab_size, max_model_len, kinds) | {
+                name: schema for part in parts for name, schema in part.schemas.items()},
             "responses": {name: _error_response(text) for name, text in _ERRORS.values()},
             "securitySchemes": {
                 "bearerAuth": {
@@ -355,25 +368,7 @@ def _paths(media_kinds: list[str]) -> dict[str, Any]:
         "/metrics/summary": {"get": _operation(
             "What SWA saves and what the caches reuse, from the same values as /metrics",
             _ok("A snapshot.", _json(_ref("MetricsSummary"))))},
-        "/demo/samples": {"get": _operation(
-            "The demo page's sample media, with the questions the demo model understands",
-            _ok("The gallery.", _json(_ref("SampleGallery"))))},
-        "/demo/samples/{name}": {"get": _operation(
-            "One sample's media file", {
-                **_ok("The file.", {t: {"schema": {"type": "string", "contentMediaType": t}}
-                                    for t in ("video/mp4", "image/png", "audio/wav")}),
-                **_errors(404)},
-            parameters=[{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}])},
-        "/demo/tools/{name}": {"post": _operation(
-            "Run the demo's tool (get_video_info) on an uploaded video, for the page's tool round trip",
-            {**_ok("The tool message's content.", _json(_closed_object({"content": {"type": "string"}}))),
-             **_errors(400, *v1, 404, 413, 415)},
-            body=_json(_object({"file_id": {"type": "string"}, "arguments": {"type": "object"}},
-                               ["file_id", "arguments"])),
-            parameters=[{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
-            secured=True)},
         "/openapi.json": {"get": _operation("This document", _ok("OpenAPI 3.1.", _json({"type": "object"})))},
-        "/": {"get": _operation("The video-QA demo page", {**_ok("The page.", _text("html")), **_errors(404)})},
     }
 
 
@@ -776,8 +771,6 @@ def _response_schemas(media_kinds: list[str]) -> dict[str, Schema]:
 def _demo_schemas() -> dict[str, Schema]:
     count = {"type": "integer", "minimum": 0}
     encoder = _closed_object({"batches": count, "items": count, "mean_batch_size": {"type": "number", "minimum": 0}})
-    question = _closed_object({"text": {"type": "string"}, "answer": {"type": "string"}, "tools": {"type": "boolean"},
-                               "call": _nullable({"type": "string"})})
     return {
         "MetricsSummary": _closed_object({
             "kv_capacity_tokens": {**count, "description": "Tokens of context the KV pools hold at most."},
@@ -795,16 +788,6 @@ def _demo_schemas() -> dict[str, Schema]:
             "embedding_cache_hits": count, "embedding_cache_misses": count,
             "encoder_batches": _closed_object({"vision": encoder, "audio": encoder}),
             "requests_running": count, "requests_waiting": count,
-        }),
-        "SampleGallery": _closed_object({
-            "samples": {"type": "array", "items": _closed_object({
-                "name": {"type": "string"}, "title": {"type": "string"},
-                "kind": {"enum": ["video", "image", "audio"]}, "url": {"type": "string"},
-                "filename": {"type": "string"}, "media_type": {"type": "string"}, "bytes": count,
-                "questions": {"type": "array", "items": question},
-            })},
-            "questions_by_kind": {"type": "object", "additionalProperties": {"type": "array",
-                                                                              "items": {"type": "string"}}},
         }),
     }
 
@@ -910,3 +893,9 @@ def _envelope(kind: str, usage: str, choices: Schema, *, usage_required: bool) -
     }
     required = [k for k in properties if k != "usage" or usage_required]
     return _object(properties, required, additionalProperties=False)
+
+
+# The building blocks a route set mounted beside the API documents its paths with.
+operation, ok_response, error_responses, json_content, text_content = _operation, _ok, _errors, _json, _text
+schema_ref, object_schema, closed_object, nullable = _ref, _object, _closed_object, _nullable
+SECURED_ERRORS = (401,)  # what a secured operation may answer for want of the key

@@ -33,7 +33,7 @@ from demo.evaluate import EVAL_SEED, _request
 from demo.world import make_eval_set, write_media
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel
-from api.server import ChatService
+from api.chat_service import ChatService
 from llm_core import LLM, MultimodalSpan, SamplingParams
 
 __all__ = ["mtp_bench"]

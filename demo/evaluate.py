@@ -47,7 +47,7 @@ from demo.world import (
 )
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel
-from api.server import ChatService
+from api.chat_service import ChatService
 from api.uploads import StoredFile, sniff_media_kind
 from llm_core import MultimodalSpan
 from llm_core.chat import MediaPart, expand_placeholders

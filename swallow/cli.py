@@ -10,12 +10,13 @@ from api.cli import add_serving_commands
 from api.cli import main as run_command
 from bench.registry import add_bench_command
 from demo.cli import add_demo_commands
+from demo.routes import DemoRoutes
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swallow", description="Hybrid-SWA MoE serving")
     commands = parser.add_subparsers(dest="command", required=True)
-    add_serving_commands(commands)
+    add_serving_commands(commands, route_sets=(DemoRoutes,))
     add_demo_commands(commands)
     add_bench_command(commands)
     return parser

@@ -243,7 +243,7 @@ def test_dockerfile_runs_swallow_and_exposes_the_roles_ports(services: dict) -> 
     import tomllib
 
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert "static/*" in package_data["api"] and (ROOT / "api" / "static" / "index.html").exists()
+    assert "static/*" in package_data["demo"] and (ROOT / "demo" / "static" / "index.html").exists()
 
 
 needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")

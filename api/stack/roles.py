@@ -54,7 +54,7 @@ def _api(args: argparse.Namespace) -> int:
                              route_max_load_ratio=args.route_max_load_ratio, shared_spool=args.shared_spool)
     print(f"Swallow API for {model_dir} on http://{args.host}:{args.port}/ (workers {args.workers}, "
           f"route policy {args.route_policy})", flush=True)
-    uvicorn.run(create_app(frontend, metrics), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(create_app(frontend, metrics, getattr(args, "route_sets", ())), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

@@ -151,7 +151,7 @@ class Supervisor:
 
     def _spawn(self, process: _Process) -> None:
         process.log_path = self.log_dir / f"{process.plan.name}.log"
-        argv = [sys.executable, "-m", "api.cli", *process.plan.argv]
+        argv = [sys.executable, "-m", "swallow", *process.plan.argv]
         with process.log_path.open("ab") as out:
             process.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
                                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

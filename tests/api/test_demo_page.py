@@ -1,4 +1,4 @@
-"""The demo page (api/static/index.html) driven by headless Chromium against a
+"""The demo page (demo/static/index.html) driven by headless Chromium against a
 live `swallow serve` of the committed demo model: a sample picked from the
 gallery and asked about streams the right answer with its timing line; a second
 question about it shows the caches' hits; a large upload moves the progress

@@ -61,7 +61,7 @@ def _completions(url: str, prompts: list[list[int]]) -> list[list[int]]:
 def _image_answer(model_dir: Path, question: str, files: list[Path]) -> str:
     from api.metrics import ServerMetrics
     from api.runtime import ServingModel
-    from api.server import ChatService
+    from api.chat_service import ChatService
     from demo.evaluate import _answer, _request
 
     async def run() -> str:

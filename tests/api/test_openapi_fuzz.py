@@ -43,6 +43,7 @@ from api.chat import BadRequest, parse_chat_request
 from api.openapi import openapi_document
 from api.runtime import ServingModel
 from api.server import create_app
+from demo.routes import DemoRoutes, demo_openapi
 from llm_core.checkpoint import write_random_checkpoint
 from llm_core.presets import tiny
 from tests.api.live import LiveServer, live_server
@@ -56,7 +57,8 @@ MODEL_NAME = "fuzz-model"  # the checkpoint directory's name, which the server r
 # coverage phase's boundary cases and the documented examples.
 MAX_EXAMPLES = 50
 
-DOCUMENT = openapi_document(MODEL_NAME, VOCAB_SIZE, MAX_MODEL_LEN, ())
+# What `swallow serve` publishes: the API's paths and the demo's, mounted beside it.
+DOCUMENT = openapi_document(MODEL_NAME, VOCAB_SIZE, MAX_MODEL_LEN, (), [demo_openapi()])
 
 
 def _documented() -> Iterator[tuple[str, str, dict[str, Any]]]:
@@ -313,7 +315,7 @@ def _app_routes(model_dir: Path) -> set[tuple[str, str]]:
     async def build() -> set[tuple[str, str]]:
         model = ServingModel(model_dir)
         try:
-            app = create_app(model)
+            app = create_app(model, route_sets=(DemoRoutes,))
             return {
                 (route.path, method)
                 for route in app.routes

@@ -129,7 +129,7 @@ def test_a_request_larger_than_the_kv_pool_is_a_400(tiny_checkpoint: Path) -> No
 def test_gather_or_cancel_stops_the_others_when_one_fails() -> None:
     import asyncio
 
-    from api.server import _gather_or_cancel
+    from api.chat_service import gather_or_cancel
 
     finished: list[str] = []
 
@@ -143,7 +143,7 @@ def test_gather_or_cancel_stops_the_others_when_one_fails() -> None:
 
     async def main() -> None:
         with pytest.raises(RuntimeError, match="one prompt failed"):
-            await _gather_or_cancel([slow(), failing()])
+            await gather_or_cancel([slow(), failing()])
         assert all(task.done() for task in asyncio.all_tasks() if task is not asyncio.current_task())
 
     asyncio.run(main())

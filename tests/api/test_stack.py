@@ -31,7 +31,7 @@ from demo.evaluate import _answer, _request
 from api.launch import RunningStack, launch_stack
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel
-from api.server import ChatService
+from api.chat_service import ChatService
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo"

@@ -37,7 +37,7 @@ from llm_core.tokenizer import Tokenizer
 
 DEMO = ChatTemplate(DEMO_CHAT_TEMPLATE)
 OLD = ChatTemplate(DEFAULT_CHAT_TEMPLATE)
-PAGE = Path(__file__).resolve().parents[2] / "api" / "static" / "index.html"
+PAGE = Path(__file__).resolve().parents[2] / "demo" / "static" / "index.html"
 
 TEXT = {"type": "text", "text": "What colour is the square?"}
 PLAIN_CONVERSATIONS: list[list[dict[str, Any]]] = [
