@@ -19,7 +19,8 @@ from PIL import Image, ImageDraw
 from torchvision import transforms
 from torchvision.transforms import InterpolationMode
 
-from media.image import ImageBatch, VisionPreprocessConfig, load_images_batch, smart_resize
+from media.image import load_images_batch
+from media.vision_preprocess import ImageBatch, VisionPreprocessConfig, smart_resize
 
 
 def _make_jpegs(num_images: int, seed: int) -> list[bytes]:

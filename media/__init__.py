@@ -6,12 +6,12 @@ raises ``MediaError`` with a message fit for an API user and an HTTP status.
 
 from media.audio import audio_features, has_audio_track, load_audio
 from media.errors import DEFAULT_LIMITS, MediaError, MediaLimits
-from media.image import (
+from media.image import load_images_batch
+from media.image_decode import load_image
+from media.vision_preprocess import (
     VIDEO_PREPROCESS,
     ImageBatch,
     VisionPreprocessConfig,
-    load_image,
-    load_images_batch,
     preprocess_images,
     preprocess_video,
 )

@@ -13,7 +13,7 @@ import torch
 from encoders.vision import VisionEncoder, VisionEncoderConfig, VisionInput, load_vision_encoder
 from llm_core.config import ConfigError
 from llm_core.weights import CheckpointError
-from media.image import VisionPreprocessConfig, preprocess_images
+from media.vision_preprocess import VisionPreprocessConfig, preprocess_images
 
 # Tiny tower: window_size 56 is 2x2 merge units, so the grids below have full and partial
 # windows, and blocks 1 and 3 attend to whole frames.

@@ -1,5 +1,5 @@
-"""media.image: decoding, smart_resize and Qwen2-VL preprocessing, checked against
-transformers (used here as an oracle only). All images are drawn in the test."""
+"""media.image, image_decode, vision_preprocess and image_dali: decoding, smart_resize
+and Qwen2-VL preprocessing, checked against transformers (used here as an oracle only). All images are drawn in the test."""
 
 from __future__ import annotations
 
@@ -14,15 +14,9 @@ import torch
 from PIL import Image, ImageDraw, ImageOps
 
 from media.errors import MediaError, MediaLimits
-from media.image import (
-    ImageBatch,
-    VisionPreprocessConfig,
-    _probe,
-    load_image,
-    load_images_batch,
-    preprocess_images,
-    smart_resize,
-)
+from media.image import load_images_batch
+from media.image_decode import load_image, probe_image
+from media.vision_preprocess import ImageBatch, VisionPreprocessConfig, preprocess_images, smart_resize
 
 # Tolerances on pixel_values (normalised units: one uint8 level is ~0.015). Measured on
 # this file's images, then given some headroom:
@@ -213,7 +207,7 @@ def test_load_image_matches_pillow(name: str, encoded: dict[str, bytes]) -> None
     img = load_image(data)
     assert img.dtype == torch.uint8 and img.shape[0] == 3
     # Routing: plain images take the torchvision decoder, and must still equal Pillow's.
-    assert (_probe(data, MediaLimits()).codec is not None) == CASES[name][1]
+    assert (probe_image(data, MediaLimits()).codec is not None) == CASES[name][1]
     torch.testing.assert_close(img, _reference_rgb(data), atol=0, rtol=0)
 
 
