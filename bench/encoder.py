@@ -227,16 +227,22 @@ def encoder_bench(
     max_wait_ms: float = 5.0,
     threads: int | None = None,
 ) -> dict[str, Any]:
-    """``threads``: torch intra-op threads for the whole run (both sides); default torch's."""
-    torch.set_grad_enabled(False)
+    """``threads``: torch intra-op threads for the whole run (both sides); default torch's.
+    The calling process gets its grad mode and thread count back."""
+    threads_before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    throughput = _throughput(concurrency, num_requests, repeats, seed, max_wait_ms)
-    throughput["by_image_size"] = _size_sweep(concurrency, seed, max_wait_ms)
-    cache = _cache_hits(seed, n=200)
+    try:
+        with torch.no_grad():
+            throughput = _throughput(concurrency, num_requests, repeats, seed, max_wait_ms)
+            throughput["by_image_size"] = _size_sweep(concurrency, seed, max_wait_ms)
+            cache = _cache_hits(seed, n=200)
+            threads_used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads_before)
     return {
         "bench": "encoder",
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads_used,
         "vision_encoder": {"depth": DEMO_VISION.depth, "hidden": DEMO_VISION.hidden_size},
         "audio_encoder": {"layers": DEMO_AUDIO.encoder_layers, "d_model": DEMO_AUDIO.d_model},
         "throughput": throughput,
