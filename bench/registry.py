@@ -33,15 +33,16 @@ BENCHES: tuple[Bench, ...] = (
     Bench("schedule", "bench.schedule", "schedule policies' TTFT on trace replay"),
     Bench("router", "bench.router", "KV-affinity routing against round robin and least load on trace replay"),
     Bench("stack", "bench.stack", "multi-turn conversations through `swallow stack`, per route policy"),
-    Bench("step", "bench.step", "a decode step's time against context length"),
+    Bench("step", "bench.step", "host-side cost of a decode step (the forward excluded) at growing contexts"),
     Bench("mtp", "bench.mtp", "MTP speculative decoding against none on the demo model"),
-    Bench("structured", "bench.structured", "constrained decoding's cost per step"),
+    Bench("structured", "bench.structured", "what constrained decoding costs against free decoding"),
     Bench("ep", "bench.ep", "expert parallelism: identical tokens and step time per group size"),
     Bench("pd", "bench.pd", "prefill/decode disaggregation: decode streams while long prompts arrive"),
-    Bench("fp8", "bench.fp8", "FP8 weights and KV: memory, capacity and the demo eval against BF16"),
-    Bench("video", "bench.video", "chunked video decode against decoding whole"),
-    Bench("image", "bench.image", "batched image decode and preprocessing"),
-    Bench("encoder", "bench.encoder", "batched vision and audio encoders against one request at a time"),
+    Bench("fp8", "bench.fp8",
+          "the published FP8 checkpoints end to end: identical tokens, memory, KV capacity, the demo eval"),
+    Bench("video", "bench.video", "chunked video sampling against the PyAV loop a user writes"),
+    Bench("image", "bench.image", "batched image decode and preprocessing against a per-image PIL loop"),
+    Bench("encoder", "bench.encoder", "encoder batching across requests, and embedding-cache hits"),
 )
 BENCHES_BY_NAME = {bench.name: bench for bench in BENCHES}
 
