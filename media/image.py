@@ -1,29 +1,8 @@
-"""Decode + preprocess many images at once (``load_images_batch``): the
-decoding of ``media.image_decode`` and the preprocessing of
-``media.vision_preprocess``, on CPU threads, nvJPEG on CUDA, or DALI.
-
-Preprocessing (``preprocess_images``, ``load_images_batch``)
-    Reproduces ``transformers.Qwen2VLImageProcessor`` (the torchvision, ex-"Fast",
-    processor): ``smart_resize`` target size, bicubic antialiased resize of the uint8
-    image with torchvision, rescale + CLIP normalisation in float32, and the Qwen2-VL
-    patch layout. On CPU the result is bit-identical to transformers' (the same float32
-    operations in the same order). Backends:
-
-    * ``"torchvision"``: CPU or CUDA tensors; with ``load_images_batch`` on CUDA, plain
-      JPEGs are decoded together by nvJPEG (``decode_jpeg(device='cuda')``).
-    * ``"dali"``: NVIDIA DALI pipeline (CPU with ``device_id=None``, ``"mixed"`` nvJPEG
-      decoder + GPU resize on CUDA), fed with the encoded bytes. DALI's cubic resampler is
-      not torchvision's. Measured on CPU against the torchvision path
-      (``tests/media/test_image.py``): mean |pixel_values diff| 2.6e-3 (one uint8 level is
-      ~0.015), 0.14% of values more than two levels off, max 0.33 at sharp edges.
-    * ``"auto"``: torchvision (on CPU or on CUDA, following ``device``).
-
-    Exactness across paths: CPU torchvision == transformers' torchvision processor, bit for
-    bit. transformers' PIL processor (Pillow's resampler) agrees within 1-2 uint8 levels
-    almost everywhere, but a few isolated values at sharp edges differ by up to ~23 levels
-    (max |diff| 0.34) because the two resamplers clamp overshoot differently. CUDA's bicubic
-    runs in float (no intermediate uint8 clamp) and so differs from CPU in the same way.
-"""
+"""Decode + preprocess many images at once (``load_images_batch``), e.g.
+every image of every request in a step: the decoding of
+``media.image_decode`` and the preprocessing of ``media.vision_preprocess``
+(whose docstring gives the backends and how exact each is), on CPU threads,
+with nvJPEG on CUDA, or in one DALI pipeline (``media.image_dali``)."""
 
 from __future__ import annotations
 
