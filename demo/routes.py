@@ -13,9 +13,10 @@ from starlette.routing import Route
 
 from api.chat import BadRequest
 from api.http import JSON_BODY_LIMIT, error_response, guarded, read_json
-from api.openapi import (
-    SECURED_ERRORS, OpenAPIPart, closed_object, error_responses, json_content, nullable, object_schema, ok_response,
-    operation, schema_ref, text_content,
+from api.openapi import OpenAPIPart
+from api.openapi_blocks import (
+    SECURED_ERRORS, closed_object, error_responses, json_content, nullable, object_schema, ok_response, operation,
+    schema_ref, text_content,
 )
 from api.routes import ServerContext
 from demo.samples import QUESTIONS_BY_KIND, SampleGallery
