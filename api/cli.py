@@ -115,7 +115,8 @@ def _serve(args: argparse.Namespace) -> int:
             model = EngineCoreFrontend(model_dir, engine_core=core, name=args.served_model_name, options=options,
                                        metrics=metrics, device=args.device, dtype=args.dtype)
         print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
-        uvicorn.run(create_app(model, metrics, args.route_sets), host=args.host, port=args.port, log_level=args.log_level)
+        app = create_app(model, metrics, args.route_sets)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         if core is not None:
             core.stop()

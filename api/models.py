@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
 # The trained demo model, committed with the code (`swallow train-demo` rebuilds it).
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
+
+
 def default_model_dir() -> Path:
     """Where `swallow serve` finds (or first writes) its fallback random model."""
     home = Path(os.environ.get("SWALLOW_HOME", Path.home() / ".cache" / "swallow"))
@@ -41,6 +43,7 @@ def write_random_multimodal(out: str | Path, config: ModelConfig, seed: int = 0,
 
 
 def ensure_default_model() -> Path:
+    """The committed demo model if this checkout has it, else the fallback random one (written on first use)."""
     from llm_core.presets import tiny
 
     if (DEMO_MODEL_DIR / "config.json").exists():

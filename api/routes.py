@@ -8,7 +8,7 @@ package mounted beside the API (the demo) passes its own sets to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -184,9 +184,9 @@ class OperationRoutes:
 
     keyed_prefixes = ("/flush_cache",)
 
-    def __init__(self, context: ServerContext, document: Callable[[], dict]) -> None:
+    def __init__(self, context: ServerContext, document: dict) -> None:
         self.context = context
-        self.document = document  # built once the server knows every route set
+        self.document = document  # the whole server's, route sets mounted beside the API included
 
     def routes(self) -> list[Route]:
         return [
@@ -211,7 +211,7 @@ class OperationRoutes:
         return JSONResponse({"status": "ok" if ready else "unavailable", **detail}, status_code=200 if ready else 503)
 
     async def openapi_spec(self, _: Request) -> Response:
-        return JSONResponse(self.document())
+        return JSONResponse(self.document)
 
     async def engine_stats(self, _: Request) -> Response:
         engine = self.context.model.engine
@@ -229,8 +229,3 @@ class OperationRoutes:
         metrics = self.context.metrics
         metrics.set_engine_stats(await self.context.model.engine.current_stats())
         return JSONResponse(metrics.summary())
-
-
-def keyed(path: str, route_sets: Sequence[RouteSet]) -> bool:
-    """Whether ``path`` needs the API key (when the server has one)."""
-    return any(path.startswith(prefix) for routes in route_sets for prefix in routes.keyed_prefixes)

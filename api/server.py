@@ -27,7 +27,7 @@ from api.http import error_response
 from api.metrics import ServerMetrics
 from api.middleware import ApiKeyMiddleware, RequestMetricsMiddleware
 from api.openapi import openapi_document
-from api.routes import CompletionRoutes, FileRoutes, OperationRoutes, RouteSetFactory, ServerContext, keyed
+from api.routes import CompletionRoutes, FileRoutes, OperationRoutes, RouteSetFactory, ServerContext
 from api.uploads import FileStore
 
 __all__ = ["create_app"]
@@ -47,7 +47,7 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None,
     # Built once: it depends only on the model and the routes, which a server never changes.
     document = openapi_document(model.name, model.vocab_size, model.context_length, model.media_kinds,
                                 [part for routes in mounted if (part := routes.openapi()) is not None])
-    sets = [CompletionRoutes(context), FileRoutes(context), OperationRoutes(context, lambda: document), *mounted]
+    sets = [CompletionRoutes(context), FileRoutes(context), OperationRoutes(context, document), *mounted]
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -63,7 +63,8 @@ def create_app(model: Frontend, metrics: ServerMetrics | None = None,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
     )
-    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, needs_key=lambda path: keyed(path, sets))
+    keyed = tuple(prefix for routes in sets for prefix in routes.keyed_prefixes)
+    app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, needs_key=lambda path: path.startswith(keyed))
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     return app
 
