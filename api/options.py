@@ -18,6 +18,7 @@ ENGINE_CORE_MODES = ("process", "thread")
 # at the same throughput (1024 cost throughput).
 CPU_BATCHED_TOKENS = 2048
 ACCELERATOR_BATCHED_TOKENS = 4096
+CPU_PREFILL_BATCH_TOKENS = 256
 # Compiled graphs are kept where a restarted server (and its engine core) finds them.
 INDUCTOR_CACHE_DIR = Path.home() / ".cache" / "swallow" / "inductor"
 
@@ -73,6 +74,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int,
                        help="tokens one step computes at most, prefill chunks and decode rows together (default: "
                             f"{CPU_BATCHED_TOKENS} on CPU, {ACCELERATOR_BATCHED_TOKENS} elsewhere)")
+    group.add_argument("--prefill-batch-tokens", type=int,
+                       help="once a step's prefill holds this many tokens, waiting requests go in the next step "
+                            "(0: only --max-num-batched-tokens limits it; default: "
+                            f"{CPU_PREFILL_BATCH_TOKENS} on CPU, where a prompt costs the same per token at any "
+                            "batch size and a second prompt in a step only delays the first one's first token; "
+                            "0 elsewhere)")
     group.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="torch.compile the decode forward (default: on with CUDA; on CPU it pays for long "
                             "runs, after about a minute of compiling on the first decode steps)")
@@ -99,6 +106,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "no KV tiers")
 
 
+def prefill_batch_tokens(given: int | None, device: str) -> int | None:
+    """``--prefill-batch-tokens`` as the engine takes it (None: no limit but the budget)."""
+    if given is not None and given < 0:
+        raise SystemExit(f"--prefill-batch-tokens: 0 or more tokens, got {given}")
+    if given is None:
+        return CPU_PREFILL_BATCH_TOKENS if device == "cpu" else None
+    return given or None
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """``LLM``/``ServingModel`` keyword arguments from ``add_engine_arguments``' options."""
     return {
@@ -110,6 +126,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_running_requests": args.max_running_requests,
         "max_num_batched_tokens": args.max_num_batched_tokens or (
             CPU_BATCHED_TOKENS if args.device == "cpu" else ACCELERATOR_BATCHED_TOKENS),
+        "prefill_batch_tokens": prefill_batch_tokens(args.prefill_batch_tokens, args.device),
         "enable_prefix_caching": not args.no_prefix_caching,
         # Expert parallelism runs eager (its all-to-alls have data-dependent sizes).
         "compile": args.device.startswith("cuda") and args.ep_size == 1 if args.compile is None else args.compile,
@@ -207,6 +224,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     out = passed_arguments(args, ("--device", "device"), ("--dtype", "dtype"), ("--kv-budget-mib", "kv_budget_mib"),
                   ("--max-running-requests", "max_running_requests"),
                   ("--max-num-batched-tokens", "max_num_batched_tokens"),
+                  ("--prefill-batch-tokens", "prefill_batch_tokens"),
                   ("--cuda-graph-max-batch", "cuda_graph_max_batch"), ("--speculative-tokens", "speculative_tokens"),
                   ("--schedule-policy", "schedule_policy"), ("--schedule-buckets", "schedule_buckets"),
                   ("--kv-host-gib", "kv_host_gib"), ("--kv-disk-gib", "kv_disk_gib"),

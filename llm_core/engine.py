@@ -101,6 +101,8 @@ class EngineConfig:
     # Prompt-length bucket edges sharing each step's prefill budget; None:
     # 64K and 256K of a 1M context, scaled to the model's context length.
     schedule_bucket_edges: tuple[int, ...] | None = None
+    # See SchedulerConfig.prefill_batch_tokens (None: admission limited by the budget alone).
+    prefill_batch_tokens: int | None = None
     # What both KV pools store: the model's dtype ("auto"), bfloat16, or
     # float8_e4m3fn with per-layer scales (the checkpoint's, else 1.0).
     kv_cache_dtype: KVCacheDtype = "auto"
@@ -384,7 +386,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator,
             SchedulerConfig(config.max_running_requests, config.max_num_batched_tokens, config.chunked_prefill_size,
-                            config.schedule_policy, self._bucket_edges(config, mc.max_position_embeddings)),
+                            config.schedule_policy, self._bucket_edges(config, mc.max_position_embeddings),
+                            config.prefill_batch_tokens),
             self.cache,
         )
         self.attention_fn = resolve_attention(config.attention, device)

@@ -52,7 +52,8 @@ class LLM:
     ) -> None:
         """``engine_options`` are ``EngineConfig`` fields: ``kv_budget_bytes``,
         ``swa_mode``, ``max_running_requests``, ``max_num_batched_tokens``,
-        ``chunked_prefill_size``, ``page_size``, ``attention``,
+        ``prefill_batch_tokens`` (no request admitted into a step whose prefill
+        holds this many tokens), ``chunked_prefill_size``, ``page_size``, ``attention``,
         ``enable_prefix_caching``, ``checkpoint_interval``, ``compile``
         (torch.compile the decode and extend forwards; every graph is
         compiled here, by a warm-up, so no request waits for one),

@@ -112,10 +112,19 @@ class SchedulerConfig:
     # policy that shares budget by length (compute-aware) each step's prefill
     # budget is shared between the buckets with work; () is one bucket.
     bucket_edges: tuple[int, ...] = ()
+    # Once a step's prefill holds this many tokens, no further waiting request
+    # is admitted into it (None: only the budget limits admission). Where
+    # prefill costs about the same per token at any batch size (CPU), a second
+    # prompt in the same step only delays the first one's first token by its
+    # own compute; the next step takes it. A first prompt longer than this
+    # still goes whole (up to ``chunked_prefill_size``).
+    prefill_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.max_running_requests, self.max_num_batched_tokens, self.chunked_prefill_size) < 1:
             raise ValueError("scheduler limits must be positive")
+        if self.prefill_batch_tokens is not None and self.prefill_batch_tokens < 1:
+            raise ValueError(f"prefill_batch_tokens must be positive, got {self.prefill_batch_tokens}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         LengthBuckets(self.bucket_edges)  # validates
@@ -256,12 +265,15 @@ class Scheduler:
         else:
             left = [budget]
         scheduled: set[int] = set()
+        batch_limit = self.config.prefill_batch_tokens
+        prefill_tokens = 0
 
         def take(chunk: ScheduledChunk) -> None:
-            nonlocal budget
+            nonlocal budget, prefill_tokens
             chunks.append(chunk)
             scheduled.add(chunk.seq.request_id)
             budget -= chunk.length
+            prefill_tokens += chunk.length
             left[share_of(chunk.seq)] -= chunk.length
 
         for shared in (True, False):
@@ -278,6 +290,8 @@ class Scheduler:
                     continue
                 if reserved or len(self.running) >= self.config.max_running_requests:
                     continue  # no admission past a reservation, or no room to run more
+                if batch_limit is not None and prefill_tokens >= batch_limit:
+                    continue  # the step's prefill is full enough: the next step admits it
                 chunk = self._prefill_chunk(seq, n)
                 if chunk is None:
                     # Not admitted: it must not pin the cached prefix it matched, or

@@ -92,3 +92,19 @@ def test_engine_flags_reach_the_engine_and_every_stack_worker() -> None:
     forwarded = engine_argv(args)
     assert forwarded[forwarded.index("--quantization") + 1] == "none"
     assert forwarded[forwarded.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+
+
+def test_the_prefill_batch_limit_defaults_by_device_and_reaches_the_engine_core() -> None:
+    from swallow.cli import build_parser
+    from api.options import CPU_PREFILL_BATCH_TOKENS, engine_argv, engine_options
+
+    parser = build_parser()
+    assert engine_options(parser.parse_args(["serve"]))["prefill_batch_tokens"] == CPU_PREFILL_BATCH_TOKENS
+    assert engine_options(parser.parse_args(["serve", "--device", "cuda"]))["prefill_batch_tokens"] is None
+    assert engine_options(parser.parse_args(["serve", "--prefill-batch-tokens", "0"]))["prefill_batch_tokens"] is None
+    args = parser.parse_args(["serve", "--prefill-batch-tokens", "512"])
+    assert engine_options(args)["prefill_batch_tokens"] == 512
+    forwarded = engine_argv(args)
+    assert forwarded[forwarded.index("--prefill-batch-tokens") + 1] == "512"
+    with pytest.raises(SystemExit, match="0 or more"):
+        engine_options(parser.parse_args(["serve", "--prefill-batch-tokens", "-1"]))

@@ -20,9 +20,10 @@ class _Clock:
 
 
 def _scheduler(*, pages: int = 256, budget: int = 64, chunk: int = 32, running: int = 8,
-               policy: str = "fcfs") -> Scheduler:
+               policy: str = "fcfs", prefill_batch: int | None = None) -> Scheduler:
     allocator = KVAllocator(FullKVPool(pages, 4), SWAKVPool(4096, 1), 9)
-    return Scheduler(allocator, SchedulerConfig(running, budget, chunk, policy), clock=_Clock())
+    config = SchedulerConfig(running, budget, chunk, policy, prefill_batch_tokens=prefill_batch)
+    return Scheduler(allocator, config, clock=_Clock())
 
 
 def _request(scheduler: Scheduler, rid: int, prompt: int, max_tokens: int = 4) -> Sequence:
@@ -68,6 +69,28 @@ def test_a_long_prompt_is_prefilled_a_chunk_at_a_time() -> None:
     assert seq.num_computed == 50
 
 
+def test_a_full_enough_prefill_admits_nothing_more_in_its_step() -> None:
+    # Shortest first (compute-aware): prompts join the step until its prefill
+    # holds 20 tokens; the rest wait for the next steps, beside the decodes.
+    scheduler = _scheduler(budget=256, chunk=64, policy="compute-aware", prefill_batch=20)
+    seqs = {n: _request(scheduler, i, n, max_tokens=8) for i, n in enumerate((30, 4, 12, 9))}
+    admitted = []
+    for _ in range(4):
+        chunks = _step(scheduler)
+        admitted.append([c.length for c in chunks if c.start == 0])
+        assert all(c.length == 1 for c in chunks if c.start > 0)  # the earlier ones decode meanwhile
+    assert admitted == [[4, 9, 12], [30], [], []]
+    assert all(s.is_running for s in seqs.values())
+
+
+def test_a_long_prompt_goes_whole_and_its_chunks_go_on_past_the_batch_limit() -> None:
+    scheduler = _scheduler(budget=64, chunk=24, prefill_batch=8)
+    long, short = _request(scheduler, 0, 40, max_tokens=2), _request(scheduler, 1, 3, max_tokens=2)
+    assert [(c.seq, c.length) for c in _step(scheduler)] == [(long, 24)]  # over the limit alone
+    assert [(c.seq, c.length) for c in _step(scheduler)] == [(long, 16)]  # its next chunk still goes
+    assert [(c.seq, c.length) for c in _step(scheduler)] == [(long, 1), (short, 3)]
+
+
 def test_no_more_requests_run_than_the_cap() -> None:
     scheduler = _scheduler(running=2)
     seqs = [_request(scheduler, i, 4, max_tokens=3) for i in range(5)]
@@ -105,3 +128,5 @@ def test_limits_are_checked_when_the_config_is_made() -> None:
         SchedulerConfig(max_running_requests=0)
     with pytest.raises(ValueError, match="unknown schedule policy"):
         SchedulerConfig(policy="sjf")
+    with pytest.raises(ValueError, match="prefill_batch_tokens must be positive"):
+        SchedulerConfig(prefill_batch_tokens=0)
