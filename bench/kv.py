@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from llm_core.engine import resolve_kv_dtype
+    from llm_core.engine_config import resolve_kv_dtype
     from llm_core.kv_capacity import GIB, kv_capacity
     from llm_core.presets import get_preset
 

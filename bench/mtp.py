@@ -111,7 +111,7 @@ def _run_setting(model_dir: Path, prompts: list[Prompt], k: int, repeats: int) -
     _generate(llm, prompts[:2], SamplingParams(max_tokens=32, ignore_eos=True))  # warm-up, untimed
     clock = _StepClock()
     first, second, bs1_tokens = [], [], []
-    with clock.around(llm.engine, "_logits", "forward"), _maybe(llm.engine.drafter, "run", clock, "draft"):
+    with clock.around(llm.engine.runner, "logits", "forward"), _maybe(llm.engine.drafter, "run", clock, "draft"):
         before = _steps(llm)
         for ids_spans in prompts[: max(1, len(prompts) // 2)]:
             best: tuple[float, float] | None = None

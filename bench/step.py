@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from llm_core.engine import Engine, EngineConfig, page_slots
+from llm_core.engine import Engine, EngineConfig
+from llm_core.model_runner import page_slots
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.paged_attention import KVCacheTensors
 from llm_core.presets import PRESETS
@@ -117,7 +118,7 @@ def _time_decode_steps(engine: Engine, steps: int) -> tuple[float, float]:
     for _ in range(steps):
         start = time.perf_counter()
         chunks = engine.scheduler.schedule()
-        engine.prepare_step(chunks)
+        engine.runner.prepare_step(chunks)
         now.append(time.perf_counter() - start)
         start = time.perf_counter()
         _rebuilt_slot_lists(chunks)

@@ -155,7 +155,8 @@ def handshake(ep: ExpertParallel, built: bool) -> list[int]:
 
 # ----------------------------------------------------------------- leader
 class EPLeader:
-    """Rank 0's side: the engine calls it makes are recorded for the followers."""
+    """Rank 0's side: it stands in for the engine (``LLM.core``), and the
+    engine calls it makes are recorded for the followers."""
 
     def __init__(self, ep: ExpertParallel, engine: Engine) -> None:
         self.ep = ep
@@ -178,12 +179,17 @@ class EPLeader:
         return self.clock.now
 
     def add_request(self, prompt: list[int], params: SamplingParams, eos_ids: Sequence[int] = (),
-                    mm_spans: Sequence[MultimodalSpan] = ()) -> int:
+                    mm_spans: Sequence[MultimodalSpan] = (), export_kv: bool = False) -> int:
+        if export_kv:
+            raise ValueError("an expert-parallel engine does not export KV (disaggregation) yet")
         now = self._tick()
         request_id = self.engine.add_request(prompt, params, tuple(eos_ids), mm_spans)  # refusals are not replayed
         op, self._blob_bytes = _add_op(now, prompt, params, eos_ids, mm_spans, self._blobs, self._blob_bytes)
         self._ops.append(op)
         return request_id
+
+    def reserve_kv(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        raise ValueError("an expert-parallel engine does not import KV (disaggregation) yet")
 
     def abort(self, request_id: int) -> bool:
         now = self._tick()
@@ -225,6 +231,11 @@ class EPLeader:
             raise
         finally:
             self._ops, self._blobs, self._blob_bytes = [], [], 0
+
+    def close(self, persist: bool = True) -> None:
+        """The engine's ``close``, then the followers exit."""
+        self.engine.close(persist)
+        self.stop()
 
     def stop(self) -> None:
         """Followers exit (after the calls not yet sent)."""

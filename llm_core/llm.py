@@ -85,7 +85,6 @@ class LLM:
             engine_config = check_engine_config(engine_config)  # before any process starts
         self.kv_events = kv_events
         self._ep_local: LocalGroup | None = None
-        self._ep_leader: EPLeader | None = None
         if ep is None and ep_size > 1:
             self._ep_local = launch_local_group(ep_size, self.model_dir, device, dtype, engine_options,
                                                 quantization=quantization)
@@ -108,22 +107,22 @@ class LLM:
         self.grammars = GrammarCompiler.from_file(tokenizer_file, self.config.vocab_size, self.config.eos_token_ids) \
             if tokenizer_file.exists() and self.config.eos_token_ids else None
         self.engine = Engine(self.model, engine_config, self.device, self.kv_events, self.grammars)
+        # What requests and steps go to: the engine, or on rank 0 of a group the
+        # leader that records each call for the other ranks (which run ep_engine.follow).
+        self.core: Engine | EPLeader = self.engine
         if self.ep is not None and self.ep.leader and self.ep.size > 1:
-            # Rank 0 records its engine calls for the other ranks (which run ep_engine.follow).
-            self._ep_leader = EPLeader(self.ep, self.engine)
+            self.core = EPLeader(self.ep, self.engine)
             if failed := handshake(self.ep, True):
                 raise ExpertParallelError(f"expert-parallel ranks {failed} could not build their engine "
                                           "(see their log)")
         # A compiled engine compiles every graph it will use now, not under its first requests.
-        self.warmup = warm_up(self) if engine_config.compile and self._ep_leader is None else None
+        self.warmup = warm_up(self) if engine_config.compile and self.core is self.engine else None
         self.compiles.mark_ready()
 
     def close(self) -> None:
         """Finish the KV tiers' disk writes (a later process over the same
         ``kv_disk_dir`` restores from them); the other ranks of a group exit."""
-        self.engine.close()
-        if self._ep_leader is not None:
-            self._ep_leader.stop()
+        self.core.close()
         self._stop_followers()
 
     def _stop_followers(self, wait: bool = True) -> None:
@@ -194,27 +193,21 @@ class LLM:
         self, prompt_ids: list[int], params: SamplingParams, mm_spans: Sequence[MultimodalSpan] = (),
         export_kv: bool = False,
     ) -> int:
-        if self._ep_leader is not None:
-            if export_kv:
-                raise ValueError("an expert-parallel engine does not export KV (disaggregation) yet")
-            return self._ep_leader.add_request(prompt_ids, params, self.config.eos_token_ids, mm_spans)
-        return self.engine.add_request(prompt_ids, params, self.config.eos_token_ids, mm_spans, export_kv)
+        return self.core.add_request(prompt_ids, params, self.config.eos_token_ids, mm_spans, export_kv)
 
-    # Disaggregation: see Engine.take_export, reserve_kv, fill_reservation, add_prefilled.
+    # Disaggregation: see KVHandoff and Engine.reserve_kv, add_prefilled.
     def take_export(self, request_id: int) -> PrefilledKV | None:
-        return self.engine.take_export(request_id)
+        return self.engine.handoff.take_export(request_id)
 
     def reserve_kv(self, num_prompt_tokens: int, max_tokens: int) -> KVReservation | None:
-        if self._ep_leader is not None:
-            raise ValueError("an expert-parallel engine does not import KV (disaggregation) yet")
-        return self.engine.reserve_kv(num_prompt_tokens, max_tokens)
+        return self.core.reserve_kv(num_prompt_tokens, max_tokens)
 
     def fill_reservation(self, reservation: KVReservation, blob: torch.Tensor) -> None:
         with torch.inference_mode():
-            self.engine.fill_reservation(reservation, blob)
+            self.engine.handoff.fill(reservation, blob)
 
     def cancel_reservation(self, reservation: KVReservation) -> bool:
-        return self.engine.cancel_reservation(reservation)
+        return self.engine.handoff.cancel(reservation)
 
     def add_prefilled(self, reservation: KVReservation, prompt_ids: list[int], params: SamplingParams,
                       prefilled: PrefilledKV, mm_spans: Sequence[MultimodalSpan] = ()) -> int:
@@ -223,10 +216,10 @@ class LLM:
 
     def step(self) -> list[TokenEvent]:
         with torch.inference_mode():
-            return self._ep_leader.step() if self._ep_leader is not None else self.engine.step()
+            return self.core.step()
 
     def abort(self, request_id: int) -> bool:
-        return self._ep_leader.abort(request_id) if self._ep_leader is not None else self.engine.abort(request_id)
+        return self.core.abort(request_id)
 
     def stats(self) -> dict[str, Any]:
         compile_stats = {"enabled": self.engine.config.compile, "recompiles_after_ready": self.compiles.after_ready,
@@ -237,10 +230,7 @@ class LLM:
         return stats
 
     def flush_cache(self) -> None:
-        if self._ep_leader is not None:
-            self._ep_leader.flush_cache()
-        else:
-            self.engine.flush_cache()
+        self.core.flush_cache()
 
     def reset_engine(self) -> None:
         """A fresh engine (empty pools and cache) on the same model, after an
@@ -249,8 +239,10 @@ class LLM:
         self.engine.close(persist=False)  # disk writes finish; host entries made before the fault are dropped
         del self.engine  # its KV tensors go before the new ones are allocated
         self.engine = Engine(self.model, config, self.device, self.kv_events, self.grammars)
-        if self._ep_leader is not None:
-            self._ep_leader.reset(self.engine)
+        if isinstance(self.core, EPLeader):
+            self.core.reset(self.engine)
+        else:
+            self.core = self.engine
 
     def _decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llm_core.checkpoint import write_random_checkpoint
-from llm_core.engine import compiled, compiled_decode_logits, decode_logits, extend_hidden
+from llm_core.model_runner import compiled, compiled_decode_logits, decode_logits, extend_hidden
 from llm_core.llm import LLM
 from llm_core.attention_backends import DecodeAttentionBackend
 from llm_core.presets import tiny
@@ -44,7 +44,7 @@ def test_decode_forward_traces_whole_and_does_not_recompile(two_layer_checkpoint
     compiled = compiled_decode_logits(backend="aot_eager")
     with torch.inference_mode():
         for batch in (chunks, chunks[:2]):  # two batch sizes, contexts of 19 to 40 tokens
-            step = engine.prepare_step(batch)
+            step = engine.runner.prepare_step(batch)
             assert isinstance(step.backend, DecodeAttentionBackend)
             eager = decode_logits(engine.model, step.input_ids, step.positions, step.backend)
             # fullgraph: a graph break raises; after the first size, a recompile does too.
@@ -63,7 +63,7 @@ def test_extend_forward_traces_whole_and_does_not_recompile(two_layer_checkpoint
     with torch.inference_mode():
         for step_index in range(2):  # two mixed batches of different sizes and chunk layouts
             chunks = engine.scheduler.schedule()
-            step = engine.prepare_step(chunks)
+            step = engine.runner.prepare_step(chunks)
             assert not isinstance(step.backend, DecodeAttentionBackend)
             eager = extend_hidden(engine.model, step.input_ids, step.positions, step.backend, None)
             with torch._dynamo.config.patch(error_on_recompile=step_index > 0):
@@ -81,7 +81,7 @@ def test_decode_steps_take_the_tensor_only_path_and_prefill_does_not(hf_checkpoi
     engine = llm.engine
     chunks = engine.scheduler.schedule()
     assert chunks[0].length == 8
-    assert not isinstance(engine.prepare_step(chunks).backend, DecodeAttentionBackend)
+    assert not isinstance(engine.runner.prepare_step(chunks).backend, DecodeAttentionBackend)
 
 
 # The compiled engine generating what the eager one does: tests/llm_core/test_warmup.py.

@@ -29,7 +29,7 @@ def test_batch_sizes_cover_every_batch_up_to_the_limit() -> None:
 
 
 def test_no_graphs_off_cuda(hf_checkpoint: Path) -> None:
-    assert LLM(hf_checkpoint).engine.graphs is None
+    assert LLM(hf_checkpoint).engine.runner.graphs is None
 
 
 @pytest.mark.gpu
@@ -42,8 +42,8 @@ def test_graph_replay_generates_what_the_eager_engine_does(hf_checkpoint: Path, 
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (30, 12, 7, 22, 3)]
     eager = LLM(hf_checkpoint, device="cuda", dtype=dtype, cuda_graph_max_batch=0)
     graphs = LLM(hf_checkpoint, device="cuda", dtype=dtype, cuda_graph_max_batch=8, compile=compile)
-    assert eager.engine.graphs is None and graphs.engine.graphs is not None
-    assert graphs.engine.graphs.sizes == (1, 2, 4, 8)
+    assert eager.engine.runner.graphs is None and graphs.engine.runner.graphs is not None
+    assert graphs.engine.runner.graphs.sizes == (1, 2, 4, 8)
     expected = [o.token_ids for o in eager.generate(prompts, params)]
     assert [o.token_ids for o in graphs.generate(prompts, params)] == expected
     # A batch larger than any graph runs without one.

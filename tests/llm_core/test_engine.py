@@ -73,13 +73,13 @@ def test_swa_slots_per_request_stay_within_window_chunk_and_page(hf_checkpoint: 
     llm = LLM(hf_checkpoint, chunked_prefill_size=chunk, max_num_batched_tokens=64, page_size=page)
     engine = llm.engine
     peaks: list[int] = []
-    forward = engine._logits
+    forward = engine.runner.logits
 
     def spying_forward(chunks):  # sample while the step's slots are held
         peaks.extend(c.seq.view.swa_slots_held for c in chunks)
         return forward(chunks)
 
-    engine._logits = spying_forward  # type: ignore[method-assign]
+    engine.runner.logits = spying_forward  # type: ignore[method-assign]
     long_prompts = [p * 4 for p in PROMPTS[:4]]
     llm.generate(long_prompts, SamplingParams(max_tokens=60))
     assert max(peaks) <= REF_WINDOW + chunk + page

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llm_core import LLM, MultimodalSpan, SamplingParams
-from llm_core import engine as engine_module
+from llm_core import step_sampler as sampler_module
 from llm_core.engine import EngineFault
 from llm_core.sampling import SamplingPlan
 
@@ -68,14 +68,14 @@ def test_a_row_that_cannot_be_sampled_fails_only_its_request(
     llm = LLM(tiny_checkpoint, enable_prefix_caching=False)
     expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     doomed_seed = 666
-    real_sample = engine_module.sample_tokens
+    real_sample = sampler_module.sample_tokens
 
     def sample_tokens(logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
         if bool((plan.seed_lo == doomed_seed).any()):  # as if that row's logits were NaN
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         return real_sample(logits, plan)
 
-    monkeypatch.setattr(engine_module, "sample_tokens", sample_tokens)
+    monkeypatch.setattr(sampler_module, "sample_tokens", sample_tokens)
     doomed = SamplingParams(max_tokens=12, temperature=1.0, seed=doomed_seed)
     outputs = llm.generate(PROMPTS + [[5] * 12], [GREEDY] * len(PROMPTS) + [doomed])
     bad = outputs.pop()

@@ -79,7 +79,7 @@ def reference(ref_llm: LLM):
 def _assert_clean(llm: LLM) -> None:
     """No request, span or KV slot left behind."""
     assert not llm.engine.has_unfinished()
-    assert llm.engine._spans == {}
+    assert llm.engine.requests == {}
     llm.flush_cache()
     stats = llm.stats()
     for pool in ("full_pool", "swa_pool"):
@@ -237,7 +237,7 @@ def test_abort_mid_prefill_frees_kv_and_spans(hf_checkpoint: Path) -> None:
     for _ in range(4):
         assert llm.step() == []  # still prefilling: 32 of 120 tokens
     assert llm.stats()["full_pool"]["free_tokens"] < llm.stats()["full_pool"]["capacity_tokens"]
-    assert llm.engine._spans
+    assert llm.engine.requests[rid].spans
     assert llm.abort(rid)
     _assert_clean(llm)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_core.engine import page_slots
+from llm_core.model_runner import page_slots
 from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool
 from llm_core.paged_attention import KVCacheTensors
 from llm_core.presets import mimo_v2_flash

@@ -114,10 +114,10 @@ def test_abort_mid_verify_returns_every_slot(draftable_checkpoint: Path) -> None
     ids = [llm.add_request(p, SamplingParams(max_tokens=MAX_NEW)) for p in PROMPTS[:4]]
     while llm.stats()["speculative"]["verify_steps"] < 6:
         llm.step()
-    assert any(llm.engine._drafts)  # drafts are waiting for the next verify
+    assert any(r.drafts is not None for r in llm.engine.requests.values())  # waiting for the next verify
     for rid in ids:
         llm.abort(rid)
-    assert not llm.engine._drafts
+    assert not llm.engine.requests
     assert_pools_full(llm)
 
 
@@ -126,13 +126,13 @@ def test_swa_slots_stay_within_window_chunk_page_and_drafts(draftable_checkpoint
     llm = LLM(draftable_checkpoint, chunked_prefill_size=chunk, max_num_batched_tokens=64, page_size=page)
     engine = llm.engine
     peaks: list[int] = []
-    forward = engine._logits
+    forward = engine.runner.logits
 
     def spying_forward(chunks):  # noqa: ANN001, ANN202 - sample while the step's slots are held
         peaks.extend(c.seq.view.swa_slots_held for c in chunks)
         return forward(chunks)
 
-    engine._logits = spying_forward  # type: ignore[method-assign]
+    engine.runner.logits = spying_forward  # type: ignore[method-assign]
     llm.generate([p * 3 for p in PROMPTS[:4]], SamplingParams(max_tokens=60))
     window = REF_WINDOW + 1
     assert max(peaks) <= window + chunk + page + NUM_MTP
@@ -142,11 +142,12 @@ def test_swa_slots_stay_within_window_chunk_page_and_drafts(draftable_checkpoint
 def _draft_log(llm: LLM) -> tuple[list[list[int]], list[int]]:
     """Run one request to its end, logging the drafts waiting after every step."""
     log: list[list[int]] = []
-    (rid,) = list(llm.engine._sequences)
+    (rid,) = list(llm.engine.requests)
     tokens: list[int] = []
     while llm.engine.has_unfinished():
         tokens += [e.token for e in llm.step()]
-        pending = llm.engine._drafts.get(rid)
+        request = llm.engine.requests.get(rid)
+        pending = request.drafts if request is not None else None
         if pending is not None:
             log.append(pending[0].tolist())
     return log, tokens

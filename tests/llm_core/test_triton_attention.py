@@ -134,7 +134,7 @@ def test_engine_on_triton_attention_generates_what_the_torch_path_does(ta: Modul
     params = SamplingParams(max_tokens=6)
     torch_path = LLM(hf_checkpoint, attention="torch", chunked_prefill_size=8)
     triton_path = LLM(hf_checkpoint, attention="triton", chunked_prefill_size=8)
-    assert triton_path.engine.attention_fn is ta.paged_attention_triton
+    assert triton_path.engine.runner.attention_fn is ta.paged_attention_triton
     expected = [o.token_ids for o in torch_path.generate(prompts, params)]
     assert [o.token_ids for o in triton_path.generate(prompts, params)] == expected
 
