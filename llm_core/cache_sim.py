@@ -27,7 +27,8 @@ from llm_core.kv_events import KVEventLog
 from llm_core.kv_pool import FullKVPool, KVAllocator, SWAKVPool
 from llm_core.kv_tiers import TIERS, KVTiers, Tier, TierConfig
 from llm_core.page_address import token_bytes
-from llm_core.prefix_cache import PageKey, RadixCache
+from llm_core.prefix_cache import RadixCache
+from llm_core.prefix_cache_records import PageKey
 from llm_core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence
 
 Policy = Literal["window", "keep_all", "no_checkpoints"]

@@ -28,7 +28,7 @@ from llm_core.kv_pool import SequenceView
 from llm_core.model import MiMoV2ForCausalLM
 from llm_core.model_runner import ModelRunner, compiled
 from llm_core.multimodal import MultimodalSpan, check_spans, with_cache_tokens
-from llm_core.prefix_cache import CacheLock, CacheStats
+from llm_core.prefix_cache_records import CacheLock, CacheStats
 from llm_core.request import Request, TokenEvent
 from llm_core.sampling import SamplingParams, TokenCounts, request_seed
 from llm_core.schedule_policy import LengthBuckets

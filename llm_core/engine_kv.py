@@ -14,7 +14,8 @@ from llm_core.block_table import BlockTable
 from llm_core.engine_config import EngineConfig, resolve_kv_dtype
 from llm_core.kv_events import KVEventLog
 from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool
-from llm_core.kv_store import DiskKVStore, HostKVPool
+from llm_core.kv_disk_store import DiskKVStore
+from llm_core.kv_store import HostKVPool
 from llm_core.kv_tiers import KVTiers, TierConfig
 from llm_core.kv_transfer import RESTORE_BUCKETS, EngineTierIO, model_weights_digest
 from llm_core.model import MiMoV2ForCausalLM

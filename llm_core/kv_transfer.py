@@ -8,9 +8,8 @@ of n positions is, for every SWA and MTP layer, the n slots' K rows then
 their V rows, then the hidden states MTP layers chain on: the window of a
 checkpoint with everything speculative decoding needs to draft from it.
 
-Disk writes run on a background thread, in order, so the engine step never
-waits for a file; an entry queued but not yet written is read from the
-queue's copy. Every read is checksum-verified by the store; a bad entry is a
+Disk writes, disk reads and demotions run on background threads
+(``kv_tier_workers.py``), so the engine step never waits for a file. Every read is checksum-verified by the store; a bad entry is a
 failed load (the bookkeeping forgets it and the tokens are recomputed).
 """
 
@@ -22,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
 
@@ -31,7 +30,9 @@ import xxhash
 import xxhash._xxhash
 
 from llm_core import native
-from llm_core.kv_store import DiskKVStore, HostKVPool, copy_into
+from llm_core.kv_disk_store import DiskKVStore
+from llm_core.kv_store import HostKVPool, copy_into
+from llm_core.kv_tier_workers import Demoter, Demotion, DiskReader, DiskWriter, Fetched
 from llm_core.kv_tiers import FULL, SWA, Tier
 from llm_core.paged_attention import KVCacheTensors, as_bytes
 
@@ -71,199 +72,6 @@ def model_weights_digest(model: torch.nn.Module, samples: int = 4096) -> bytes:
         h.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
         h.update(picked.view(torch.uint8).numpy().tobytes())
     return h.digest()
-
-
-class _DiskWriter:
-    """One background thread writing host entries to disk in queue order."""
-
-    def __init__(self, disk: DiskKVStore) -> None:
-        self.disk = disk
-        self.pending: dict[bytes, tuple[torch.Tensor, int]] = {}  # queued, not written yet
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[str, bytes, torch.Tensor | None, int] | None] = queue.Queue()
-        self._failed = False
-        self._thread = threading.Thread(target=self._run, name="swallow-kv-disk-writer", daemon=True)
-        self._thread.start()
-
-    def put(self, key: bytes, blob: torch.Tensor, tokens: int) -> None:
-        with self._lock:
-            self.pending[key] = (blob, tokens)
-        self._queue.put(("put", key, blob, tokens))
-
-    def remove(self, key: bytes) -> None:
-        with self._lock:
-            self.pending.pop(key, None)
-        self._queue.put(("remove", key, None, 0))
-
-    def queued(self, key: bytes) -> tuple[torch.Tensor, int] | None:
-        with self._lock:
-            return self.pending.get(key)
-
-    def flush(self) -> None:
-        """Wait until everything queued so far is on disk."""
-        self._queue.join()
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                self._apply(*item)
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
-
-    def _apply(self, op: str, key: bytes, blob: torch.Tensor | None, tokens: int) -> None:
-        if op == "remove":
-            self.disk.remove(key)
-            return
-        with self._lock:
-            current = self.pending.get(key)
-        if current is None or current[0] is not blob:
-            return  # removed or replaced while queued
-        self._write(key, blob, tokens)  # type: ignore[arg-type]
-        with self._lock:
-            if self.pending.get(key, (None, 0))[0] is blob:
-                del self.pending[key]
-
-    def _write(self, key: bytes, blob: torch.Tensor, tokens: int) -> None:
-        try:
-            self.disk.put(key, blob, tokens)
-        except (OSError, MemoryError, ValueError) as exc:
-            # The entry is then missing on disk: its load fails and it is recomputed.
-            if not self._failed:
-                log.warning("KV disk tier: a write failed (%s); such pages will be recomputed", exc)
-                self._failed = True
-
-
-Fetched = tuple[torch.Tensor | None, int, int | None]  # (verified bytes or None, tokens, their checksum if known)
-
-
-class _DiskReader:
-    """One background thread reading (and verifying) disk entries for
-    prefetches, every key queued meanwhile in one batch."""
-
-    BATCH = 256
-
-    def __init__(self, read: Callable[[list[bytes]], list[Fetched]]) -> None:
-        self._read = read
-        self._queue: queue.Queue[bytes | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self._done: list[tuple[bytes, Fetched]] = []
-        self.ready = threading.Event()  # set when a read finishes
-        self._thread = threading.Thread(target=self._run, name="swallow-kv-disk-reader", daemon=True)
-        self._thread.start()
-
-    def submit(self, key: bytes) -> None:
-        self._queue.put(key)
-
-    def take(self) -> list[tuple[bytes, Fetched]]:
-        with self._lock:
-            done, self._done = self._done, []
-            self.ready.clear()
-        return done
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (key := self._queue.get()) is not None:
-            batch = [key]
-            closing = False
-            while len(batch) < self.BATCH:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    closing = True
-                    break
-                batch.append(more)
-            try:
-                got = self._read(batch)
-            except Exception as exc:  # noqa: BLE001 - a read that fails is a miss, never a dead thread
-                log.warning("KV disk tier: a prefetch failed (%s)", exc)
-                got = [(None, 0, None)] * len(batch)
-            with self._lock:
-                self._done.extend(zip(batch, got))
-                self.ready.set()
-            if closing:
-                return
-
-
-@dataclass(eq=False)
-class _Demotion:
-    """One entry to copy from device rows into host memory."""
-
-    key: bytes
-    part: bytes  # FULL or SWA: which pool ``ids`` go back to
-    ids: list[int]  # the page or slots, not to be reused before the copy is done
-    tensors: list[torch.Tensor]
-    rows: list[int]  # of every tensor: a full page's rows, or the slots
-    tokens: int
-    ready: torch.cuda.Event | None  # on CUDA: the KV writes the copy must follow
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-class _Demoter:
-    """One background thread copying evicted device KV into host entries, in
-    order. The engine hands over a page (or slots) and goes on; the ids come
-    back through ``finished`` only once their bytes are in host memory, so a
-    slot is never reused while its copy reads it."""
-
-    def __init__(self, copy: Callable[[_Demotion], None]) -> None:
-        self._copy = copy
-        self._queue: queue.Queue[_Demotion | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self.pending: dict[bytes, _Demotion] = {}
-        self._finished: list[_Demotion] = []
-        self._failed = False
-        self._thread = threading.Thread(target=self._run, name="swallow-kv-demoter", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: _Demotion) -> None:
-        with self._lock:
-            self.pending[job.key] = job
-        self._queue.put(job)
-
-    def settle(self, keys: Iterable[bytes]) -> None:
-        """Wait until the copies of those of ``keys`` still pending are done."""
-        if self.pending:
-            for key in keys:
-                if (job := self.pending.get(key)) is not None:
-                    job.done.wait()
-
-    def finished(self, wait: bool) -> list[_Demotion]:
-        if wait:
-            self._queue.join()
-        with self._lock:
-            done, self._finished = self._finished, []
-        return done
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                self._copy(job)
-            except Exception as exc:  # noqa: BLE001 - a lost copy is a later miss, never a dead thread
-                # The entry is then missing in host memory: its load fails and it is recomputed.
-                if not self._failed:
-                    log.warning("KV host tier: a demotion failed (%s); such pages will be recomputed", exc)
-                    self._failed = True
-            finally:
-                with self._lock:
-                    if self.pending.get(job.key) is job:
-                        del self.pending[job.key]
-                    self._finished.append(job)
-                job.done.set()
-                self._queue.task_done()
-        self._queue.task_done()
 
 
 @dataclass(eq=False)
@@ -404,9 +212,9 @@ class EngineTierIO:
         self.kv = kv
         self.host = host
         self.disk = disk
-        self.writer = _DiskWriter(disk) if disk is not None else None
-        self.reader = _DiskReader(self._read_disk) if disk is not None else None
-        self.demoter = _Demoter(self._demote) if async_demotion else None
+        self.writer = DiskWriter(disk) if disk is not None else None
+        self.reader = DiskReader(self._read_disk) if disk is not None else None
+        self.demoter = Demoter(self._demote) if async_demotion else None
         self._copy_stream = torch.cuda.Stream(kv.device) if async_demotion and kv.device.type == "cuda" else None
         self._fetched: dict[bytes, Fetched] = {}
         self.full_tensors, self.swa_tensors = kv.pool_tensors()
@@ -429,7 +237,7 @@ class EngineTierIO:
             self.host.put(key, self._page_rows(page), ps)
             return False
         rows = list(range(page * ps, (page + 1) * ps))
-        self._submit(_Demotion(key, FULL, [page], self.full_tensors, rows, ps, self._ready()))
+        self._submit(Demotion(key, FULL, [page], self.full_tensors, rows, ps, self._ready()))
         return True
 
     def save_swa(self, key: bytes, slots: Sequence[int]) -> bool:
@@ -437,7 +245,7 @@ class EngineTierIO:
             index = torch.tensor(list(slots), dtype=torch.long, device=self.kv.device)
             self.host.put(key, [t.index_select(0, index) for t in self.swa_tensors], len(slots))
             return False
-        self._submit(_Demotion(key, SWA, list(slots), self.swa_tensors, list(slots), len(slots), self._ready()))
+        self._submit(Demotion(key, SWA, list(slots), self.swa_tensors, list(slots), len(slots), self._ready()))
         return True
 
     def _ready(self) -> torch.cuda.Event | None:
@@ -449,12 +257,12 @@ class EngineTierIO:
         event.record()
         return event
 
-    def _submit(self, job: _Demotion) -> None:
+    def _submit(self, job: Demotion) -> None:
         assert self.demoter is not None
         self.demoter.settle([job.key])  # a replaced entry's copy lands first
         self.demoter.submit(job)
 
-    def _demote(self, job: _Demotion) -> None:
+    def _demote(self, job: Demotion) -> None:
         """The demoter thread's work: the rows into a verified host entry."""
         kernel = page_copy_kernel() if self.kv.device.type == "cpu" else None
         if kernel is not None:

@@ -17,7 +17,8 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from llm_core.kv_pool import KVAllocator, SequenceView
-from llm_core.prefix_cache import CacheLock, RadixCache
+from llm_core.prefix_cache import RadixCache
+from llm_core.prefix_cache_records import CacheLock
 from llm_core.schedule_policy import POLICIES, LengthBuckets, Running, Waiting, make_policy
 
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from llm_core import kv_store
-from llm_core.kv_store import DiskEntry, DiskKVStore, HostKVPool
+from llm_core import kv_disk_store
+from llm_core.kv_disk_store import DiskEntry, DiskKVStore
+from llm_core.kv_store import HostKVPool
 
 def _fingerprint(name: str) -> bytes:
     return hashlib.blake2b(name.encode(), digest_size=16).digest()
@@ -251,7 +252,7 @@ def test_disk_failed_rename_keeps_old_entry_and_no_temp(tmp_path: Path, monkeypa
     def failing_replace(src: object, dst: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(kv_store.os, "replace", failing_replace)
+    monkeypatch.setattr(kv_disk_store.os, "replace", failing_replace)
     with pytest.raises(OSError, match="No space"):
         store.put(_key(1), _payload(200, 2), tokens=2)
     monkeypatch.undo()
@@ -261,7 +262,7 @@ def test_disk_failed_rename_keeps_old_entry_and_no_temp(tmp_path: Path, monkeypa
     assert store.used_bytes == used
     # The reservation was released: a put filling the whole capacity still fits.
     store2 = DiskKVStore(tmp_path / "b", 1000, NS)
-    monkeypatch.setattr(kv_store.os, "replace", failing_replace)
+    monkeypatch.setattr(kv_disk_store.os, "replace", failing_replace)
     with pytest.raises(OSError):
         store2.put(_key(1), _payload(900, 3), tokens=1)
     monkeypatch.undo()

@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llm_core.cache_sim import CacheSimulator
-from llm_core.prefix_cache import RadixCache, RadixNode
+from llm_core.prefix_cache import RadixCache
+from llm_core.prefix_cache_records import RadixNode
 
 PAGE, WINDOW = 4, 9  # W = 8 tokens: a checkpoint keeps 2 pages of SWA
 

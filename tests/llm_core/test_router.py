@@ -9,7 +9,7 @@ import pytest
 from llm_core.cache_sim import CacheSimulator
 from llm_core.kv_events import KVEventLog
 from llm_core.kv_tiers import FULL, SWA
-from llm_core.prefix_cache import RadixNode
+from llm_core.prefix_cache_records import RadixNode
 from llm_core.page_address import CacheGeometry, token_page_addresses
 from llm_core.router import NoWorkers, Router
 
