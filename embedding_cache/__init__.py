@@ -11,7 +11,8 @@ from embedding_cache.cluster import EmbeddingCache, RemoteCacheNode, embedding_c
 from embedding_cache.keys import KEY_BYTES, key_hex, media_key
 from embedding_cache.ring import ConsistentHashRing
 from embedding_cache.service import Embedding, MediaEmbedder, MediaEmbedderConfig
-from embedding_cache.store import DTYPE_CODES, MAX_NDIM, SharedEmbeddingStore, StoreLayoutError
+from embedding_cache.store import SharedEmbeddingStore
+from embedding_cache.store_segment import DTYPE_CODES, MAX_NDIM, StoreLayoutError
 
 __all__ = [
     "DTYPE_CODES",

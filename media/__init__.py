@@ -15,7 +15,9 @@ from media.vision_preprocess import (
     preprocess_images,
     preprocess_video,
 )
-from media.video import VideoFrames, VideoInfo, load_video, plan_sampling, probe_video
+from media.video import load_video, plan_sampling, probe_video
+from media.video_frames import VideoFrames
+from media.video_probe import VideoInfo
 
 __all__ = [
     "DEFAULT_LIMITS",

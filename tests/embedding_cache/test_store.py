@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embedding_cache import DTYPE_CODES, SharedEmbeddingStore, StoreLayoutError
-from embedding_cache.store import _lock_path
+from embedding_cache.store_lock import lock_file_path
 
 SPAWN = mp.get_context("spawn")
 # Races show only where processes really overlap; with the reader or writer lock
@@ -175,7 +175,7 @@ def _child_dies_mid_put(name: str) -> None:
     def die(*args: Any) -> None:
         os._exit(0)  # after the blocks are taken and written, before the slot is published
 
-    store._publish = die  # type: ignore[method-assign]
+    store._tables.publish = die  # type: ignore[method-assign]
     store.put(key_of(99), torch.ones(300))  # 5 blocks: fits without evicting
 
 
@@ -445,7 +445,7 @@ def test_attach_to_a_missing_store_is_a_clear_error() -> None:
     name = unique_name()
     with pytest.raises(FileNotFoundError, match=name):
         SharedEmbeddingStore.attach(name)
-    assert not os.path.exists(_lock_path(name))
+    assert not os.path.exists(lock_file_path(name))
 
 
 def test_attach_to_a_foreign_segment_is_refused() -> None:
@@ -459,8 +459,8 @@ def test_attach_to_a_foreign_segment_is_refused() -> None:
     finally:
         foreign.close()
         _posixshmem.shm_unlink(foreign._name)
-        if os.path.exists(_lock_path(name)):
-            os.unlink(_lock_path(name))
+        if os.path.exists(lock_file_path(name)):
+            os.unlink(lock_file_path(name))
 
 
 def test_create_open_attach_share_one_segment(make_store: Callable[..., SharedEmbeddingStore]) -> None:
@@ -486,7 +486,7 @@ def test_open_creates_when_missing() -> None:
     finally:
         store.close()
         store.unlink()
-    assert not os.path.exists(_lock_path(name))
+    assert not os.path.exists(lock_file_path(name))
     with pytest.raises(FileNotFoundError):
         SharedEmbeddingStore.attach(name)
 
@@ -552,7 +552,7 @@ def test_lock_excludes_other_processes(make_store: Callable[..., SharedEmbedding
     # descriptor in this process stands in for a writer / reader elsewhere.
     store = make_store(16 * 256, block_size=256)
     store.put(key_of(0), torch.arange(10))
-    other = os.open(_lock_path(store.name), os.O_RDWR)
+    other = os.open(lock_file_path(store.name), os.O_RDWR)
     try:
         fcntl.flock(other, fcntl.LOCK_EX)  # a writer elsewhere, mid-put
         reader = _in_thread(lambda: store.get(key_of(0)))

@@ -1,5 +1,6 @@
-"""media.video: chunked parallel decode == sequential reference, sampling plan,
-formats without index / timestamps, rotation, and the bad-input table.
+"""media.video and the media.video_* modules under it: chunked parallel decode ==
+sequential reference, sampling plan, formats without index / timestamps,
+rotation, and the bad-input table.
 
 Every video here is generated with PyAV: tiny (96x64), a few seconds, with the
 frame index drawn as 8 black/white bars so each decoded frame is identifiable.
@@ -19,13 +20,9 @@ import pytest
 import torch
 
 from media.errors import MediaError, MediaLimits
-from media.video import (
-    VideoInfo,
-    decode_sequential,
-    load_video,
-    plan_sampling,
-    probe_video,
-)
+from media.video import load_video, plan_sampling, probe_video
+from media.video_probe import VideoInfo
+from media.video_sequential import decode_sequential
 
 W, H = 96, 64
 BAR = W // 8  # one bar per bit of the frame counter
@@ -198,13 +195,15 @@ def test_other_codecs_chunked_matches_sequential(
 def test_hevc_leading_pictures_alone(tmp_path: Path, no_fallback: None) -> None:
     """Targets that pick only open-GOP leading pictures (RASL: decoded after
     their CRA but shown before it): their run must start one GOP earlier."""
-    from media.video import DEFAULT_LIMITS, _decode_chunked, _scan
+    from media.errors import DEFAULT_LIMITS
+    from media.video_chunked import decode_chunked
+    from media.video_probe import scan_video
 
     path = write_video(
         tmp_path / "open.mp4", codec="libx265", n=75,
         options={"x265-params": "keyint=15:log-level=error"},
     )
-    idx = _scan(path, DEFAULT_LIMITS)
+    idx = scan_video(path, DEFAULT_LIMITS)
     pts, keys = idx.pkt_pts, idx.key_idx
     leading = [
         i for i in range(len(pts))
@@ -216,7 +215,7 @@ def test_hevc_leading_pictures_alone(tmp_path: Path, no_fallback: None) -> None:
     ts += ts[-1:] * (len(ts) % 2)
     ref = decode_sequential(path, ts)
     for threads in (1, 4):
-        _assert_same(_decode_chunked(path, idx, ts, threads, None).frames, ref.frames)
+        _assert_same(decode_chunked(path, idx, ts, threads, None).frames, ref.frames)
     assert [_read_counter(f) for f in ref.frames.numpy()] == _expected_counters(path, ts)
 
 
@@ -273,9 +272,9 @@ def test_reseek_between_runs(
     tmp_path: Path, suffix: str, monkeypatch: pytest.MonkeyPatch, no_fallback: None
 ) -> None:
     """Force a seek for every gap between runs (normally only long gaps seek)."""
-    import media.video as video
+    import media.video_chunked as video_chunked
 
-    monkeypatch.setattr(video, "_SEEK_GAP_PACKETS", 0)
+    monkeypatch.setattr(video_chunked, "_SEEK_GAP_PACKETS", 0)
     path = write_video(tmp_path / f"r.{suffix}", n=150)
     for fps in (0.5, 3.0):
         ts = plan_sampling(probe_video(path), fps=fps)
