@@ -8,7 +8,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -213,20 +213,15 @@ class ChatService:
                 if not delta.empty or event.finish_reason is not None:
                     yield i, delta, output.finish_reason(event.finish_reason)
 
-        try:
-            async with contextlib.aclosing(interleaved([deltas(i, gen) for i, gen in enumerate(gens)])) as items:
-                async for i, delta, finish in items:
-                    logprobs = {"content": delta.logprobs} if request.top_logprobs is not None else None
-                    choice = {"index": i, "delta": delta.as_delta(), "finish_reason": finish, "logprobs": logprobs}
-                    yield sse(envelope | {"choices": [choice]})
-        except (RequestFailed, EngineUnavailable) as exc:
-            yield sse_error(exc)
-        finally:
-            for gen in gens:
-                await gen.stream.aclose()
-        if request.include_usage:
-            yield sse(envelope | {"choices": [], "usage": _chat_usage(gens[0].num_prompt_tokens, outputs)})
-        yield "data: [DONE]\n\n"
+        def choice(item: tuple[int, ChoiceDelta, str | None]) -> dict[str, Any]:
+            i, delta, finish = item
+            logprobs = {"content": delta.logprobs} if request.top_logprobs is not None else None
+            return {"index": i, "delta": delta.as_delta(), "finish_reason": finish, "logprobs": logprobs}
+
+        usage = (lambda: _chat_usage(gens[0].num_prompt_tokens, outputs)) if request.include_usage else None
+        async for chunk in sse_choices(gens, interleaved([deltas(i, gen) for i, gen in enumerate(gens)]),
+                                       envelope, choice, usage):
+            yield chunk
 
 
 @dataclass(frozen=True)
@@ -326,6 +321,26 @@ def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+async def sse_choices(gens: list[Generation], items: AsyncIterator[Any], envelope: dict[str, Any],
+                      choice: Callable[[Any], dict[str, Any]],
+                      usage: Callable[[], dict[str, int]] | None) -> AsyncIterator[str]:
+    """A streamed answer's events: one chunk per item (``choice`` makes its
+    choice), a failure as an error event, the usage chunk when asked, then
+    [DONE]. The generations are closed however the stream ends."""
+    try:
+        async with contextlib.aclosing(items) as each:
+            async for item in each:
+                yield sse(envelope | {"choices": [choice(item)]})
+    except (RequestFailed, EngineUnavailable) as exc:
+        yield sse_error(exc)
+    finally:
+        for gen in gens:
+            await gen.stream.aclose()
+    if usage is not None:
+        yield sse(envelope | {"choices": [], "usage": usage()})
+    yield "data: [DONE]\n\n"
 
 
 async def interleaved(sources: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:

@@ -3,7 +3,6 @@ n choices each, streamed per step or answered whole."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,8 +13,8 @@ from api.chat import (
     BadRequest, parse_bool, parse_choices, parse_include_usage, parse_int, parse_sampling, parse_stop,
     require_unicode,
 )
-from api.chat_service import ChatService, Generation, gather_or_cancel, interleaved, sse, sse_error, usage_of
-from api.engine_loop import EngineUnavailable, RequestFailed, StreamEvent
+from api.chat_service import ChatService, Generation, gather_or_cancel, interleaved, sse_choices, usage_of
+from api.engine_loop import StreamEvent
 from llm_core import SamplingParams
 from llm_core.sampling import MAX_TOP_LOGPROBS
 
@@ -131,25 +130,20 @@ class CompletionService:
                 logprobs = _LegacyLogprobs(self.chat.token_text)
 
         counts = [0] * len(gens)
+
+        def choice(item: tuple[int, str, str | None, list[int], dict[str, Any] | None]) -> dict[str, Any]:
+            i, delta, finish, new_tokens, logprobs = item
+            counts[i] += len(new_tokens)
+            return {"index": i, "text": delta, "token_ids": new_tokens, "logprobs": logprobs,
+                    "finish_reason": finish}
+
         envelope = _completion_envelope(self.chat.model.name)  # one id for the whole stream
         sources = [pieces(i, gen) for i, gen in enumerate(gens)]
-        try:
-            # One choice needs no interleaving (and none of its per-token hops).
-            async with contextlib.aclosing(sources[0] if len(sources) == 1 else interleaved(sources)) as items:
-                async for i, delta, finish, new_tokens, logprobs in items:
-                    counts[i] += len(new_tokens)
-                    choice = {"index": i, "text": delta, "token_ids": new_tokens, "logprobs": logprobs,
-                              "finish_reason": finish}
-                    yield sse(envelope | {"choices": [choice]})
-        except (RequestFailed, EngineUnavailable) as exc:
-            yield sse_error(exc)
-        finally:
-            for gen in gens:
-                await gen.stream.aclose()
-        if include_usage:
-            usage = usage_of(_prompt_tokens(gens, n), sum(counts))
-            yield sse(envelope | {"choices": [], "usage": usage})
-        yield "data: [DONE]\n\n"
+        usage = (lambda: usage_of(_prompt_tokens(gens, n), sum(counts))) if include_usage else None
+        # One choice needs no interleaving (and none of its per-token hops).
+        async for chunk in sse_choices(gens, sources[0] if len(sources) == 1 else interleaved(sources), envelope,
+                                       choice, usage):
+            yield chunk
 
 
 @dataclass(frozen=True)
