@@ -30,9 +30,10 @@ __all__ = ["LocalEmbedder", "LocalMedia", "ServingModel", "build_media", "embed_
 
 
 
-def media_config(model_dir: Path, limits: MediaLimits) -> MediaEmbedderConfig:
+def media_config(model_dir: Path, limits: MediaLimits, device: str = "cpu") -> MediaEmbedderConfig:
     """Image/video preprocessing from ``preprocessor_config.json`` (Qwen2-VL field names,
-    plus ``video_min_pixels``/``video_max_pixels``/``video_fps``/``video_max_frames``)."""
+    plus ``video_min_pixels``/``video_max_pixels``/``video_fps``/``video_max_frames``),
+    run on ``device``, the encoders'."""
     path = model_dir / "preprocessor_config.json"
     raw: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     shared = {
@@ -57,6 +58,7 @@ def media_config(model_dir: Path, limits: MediaLimits) -> MediaEmbedderConfig:
         video_fps=float(raw.get("video_fps", 2.0)),
         video_max_frames=int(raw.get("video_max_frames", 64)),
         limits=limits,
+        preprocess_device=device,
     )
 
 
@@ -127,7 +129,7 @@ def media_pipeline(model_dir: Path, cache: SharedEmbeddingStore | EmbeddingCache
     on_batch = metrics.observe_encoder_batch if metrics is not None else None
     batcher = EncoderBatcher(encoders, BatcherConfig(), on_batch=on_batch)
     limits = MediaLimits(max_file_bytes=max_file_bytes)
-    return batcher, MediaEmbedder(batcher, cache, media_config(model_dir, limits))
+    return batcher, MediaEmbedder(batcher, cache, media_config(model_dir, limits, device))
 
 
 class ServingModel:

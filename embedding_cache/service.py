@@ -63,6 +63,19 @@ class MediaEmbedderConfig:
     video_max_frames: int = 64
     audio_sample_rate: int = 16000
     limits: MediaLimits = DEFAULT_LIMITS
+    # Where images and clips are resized, normalised and patchified: the
+    # encoders' device. On CUDA that is torchvision on the GPU (decoding stays
+    # on the CPU: the content key hashes the decoded pixels).
+    preprocess_device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        torch.device(self.preprocess_device)  # a name torch does not know fails here, not at the first image
+
+    def preprocess_params(self) -> dict[str, str]:
+        """What keys must add for it: GPU preprocessing is not bit-identical to
+        the CPU's, so its embeddings never answer for the CPU's (nor the reverse)."""
+        kind = torch.device(self.preprocess_device).type
+        return {} if kind == "cpu" else {"preprocess_on": kind}
 
 
 @dataclass(frozen=True)
@@ -112,7 +125,7 @@ class MediaEmbedder:
     # -- public -----------------------------------------------------------------
 
     async def embed_image(self, data: bytes) -> Embedding:
-        params = {"image": self.config.image}
+        params = {"image": self.config.image, **self.config.preprocess_params()}
         encoder = self._identity("vision")
         upload = media_key("image-upload", data, params, encoder)
         if (hit := await self._lookup_upload(upload)) is not None:
@@ -122,7 +135,7 @@ class MediaEmbedder:
         if (emb := await self._lookup(content)) is not None:
             await self._alias(upload, content)
             return self._hit("image", (content, emb), upload=False)
-        batch = await self._run(preprocess_images, [image], self.config.image)
+        batch = await self._run(preprocess_images, [image], self.config.image, self.config.preprocess_device)
         item = VisionInput(batch.pixel_values, tuple(int(x) for x in batch.grid_thw[0].tolist()))
         return await self._encode_and_store("image", "vision", item, content, upload)
 
@@ -130,7 +143,8 @@ class MediaEmbedder:
         """``source`` is a file path (uploads are spooled to disk) or the file's bytes."""
         if isinstance(source, bytes):
             return await self._with_temp_file(source, self.embed_video)
-        params = {"video": self.config.video, "fps": self.config.video_fps, "max_frames": self.config.video_max_frames}
+        params = {"video": self.config.video, "fps": self.config.video_fps, "max_frames": self.config.video_max_frames,
+                  **self.config.preprocess_params()}
         encoder = self._identity("vision")
         digest = await self._run(_file_digest, Path(source))
         upload = media_key("video-upload", digest, params, encoder)
@@ -147,7 +161,7 @@ class MediaEmbedder:
         if (emb := await self._lookup(content)) is not None:
             await self._alias(upload, content)
             return self._hit("video", (content, emb), upload=False)
-        batch = await self._run(preprocess_video, frames.frames, self.config.video)
+        batch = await self._run(preprocess_video, frames.frames, self.config.video, self.config.preprocess_device)
         item = VisionInput(batch.pixel_values, tuple(int(x) for x in batch.grid_thw[0].tolist()))
         return await self._encode_and_store("video", "vision", item, content, upload)
 

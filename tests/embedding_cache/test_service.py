@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import multiprocessing as mp
 import uuid
@@ -179,3 +180,44 @@ def test_second_process_hits_what_the_first_encoded(store: SharedEmbeddingStore)
     proc.join(timeout=30)
     assert cached and forwards == 0
     assert head == tensor.flatten()[:8].tolist()
+
+
+def test_preprocessing_on_another_device_is_another_key() -> None:
+    # GPU preprocessing is not bit-identical to the CPU's: an embedding made one
+    # way must never answer for the other, in a store shared across machines.
+    assert CONFIG.preprocess_params() == {}
+    on_gpu = dataclasses.replace(CONFIG, preprocess_device="cuda:0")
+    assert on_gpu.preprocess_params() == {"preprocess_on": "cuda"}
+    with pytest.raises(RuntimeError):
+        dataclasses.replace(CONFIG, preprocess_device="gpu")
+
+
+def test_the_serving_pipeline_preprocesses_on_the_encoders_device(tmp_path: Path) -> None:
+    from api.runtime import media_config
+    from media import DEFAULT_LIMITS
+
+    assert media_config(tmp_path, DEFAULT_LIMITS).preprocess_device == "cpu"
+    assert media_config(tmp_path, DEFAULT_LIMITS, "cuda:1").preprocess_device == "cuda:1"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_preprocessing_embeds_images_and_clips_as_the_cpu_does(store: SharedEmbeddingStore,
+                                                                   tmp_path: Path) -> None:
+    async def main() -> None:
+        batcher = EncoderBatcher(_encoders(), BatcherConfig(max_wait_ms=1))
+        cpu = MediaEmbedder(batcher, store, CONFIG)
+        gpu = MediaEmbedder(batcher, store, dataclasses.replace(CONFIG, preprocess_device="cuda"))
+        clip = tmp_path / "clip.mp4"
+        write_video(clip)
+        for embed in ("embed_image", "embed_video"):
+            source = _png(3) if embed == "embed_image" else clip
+            on_cpu, on_gpu = await getattr(cpu, embed)(source), await getattr(gpu, embed)(source)
+            assert not on_gpu.cached and on_gpu.key != on_cpu.key  # never the CPU's embedding
+            torch.testing.assert_close(on_gpu.tensor.float().cpu(), on_cpu.tensor.float().cpu(),
+                                       atol=5e-2, rtol=5e-2)
+        await batcher.aclose()
+        cpu.close()
+        gpu.close()
+
+    asyncio.run(main())
