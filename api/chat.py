@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from api.errors import BadRequest, UnsupportedMedia
-from api.uploads import SNIFF_BYTES, DeclaredType, StoredFile, declared_type, refusal_for_unrecognised, sniff_media_kind
+from api.media_sniff import SNIFF_BYTES, DeclaredType, declared_type, refusal_for_unrecognised, sniff_media_kind
+from api.uploads import StoredFile
 from llm_core import SamplingParams
 from llm_core.sampling import MAX_TOP_LOGPROBS
 

@@ -12,9 +12,9 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from api.body_refusal import UploadError, format_size, refuse_declared_oversize
 from api.chat import BadRequest, UnsupportedMedia, parse_json_body
 from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed
-from api.uploads import UploadError, format_size, refuse_declared_oversize
 from encoders import EncoderQueueFull
 from llm_core.chat import ChatTemplateError
 from media import MediaError
