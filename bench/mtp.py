@@ -30,7 +30,8 @@ import torch
 
 from api.models import DEMO_MODEL_DIR
 from demo.evaluate import EVAL_SEED, _request
-from demo.world import make_eval_set, write_media
+from demo.render import write_media
+from demo.tasks import make_eval_set
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel
 from api.chat_service import ChatService

@@ -20,7 +20,7 @@ same load).
 
 The load: arrivals are scaled so that the work the trace needs -- each
 prompt past what that one big worker's cache serves, prefilled alone, and
-each output token at a 32-row decode step's cost (``schedule.request_work``)
+each output token at a 32-row decode step's cost (``replay_load.request_work``)
 -- is ``load`` of the N workers' time (``time_scale``). A policy that hits
 less than the bound needs more work (its ``work_load``).
 
@@ -45,21 +45,17 @@ from typing import Any
 
 from bench import log
 from bench.prefix_cache import TraceRequest, load_trace, trace_page_size, upper_bound
+from bench.replay_cost import AnalyticCost, CostModel
+from bench.replay_load import arrival_span, load_scale, served_work, utilisation
 from bench.schedule_replay import (
-    AnalyticCost,
-    CostModel,
     ReplayConfig,
     ReplayResult,
     ReplayWorker,
     VirtualClock,
     WorkerStats,
-    arrival_span,
-    load_scale,
     replay,
     replay_workers,
-    served_work,
     summarize,
-    utilisation,
 )
 from llm_core.config import ModelConfig
 from llm_core.kv_events import KVEventLog
@@ -244,7 +240,7 @@ def time_scale(requests: Seq[TraceRequest], cost: CostModel, big: ReplayConfig, 
                log: Callable[[str], None]) -> tuple[float, float]:
     """The arrival-time factor at which the work the trace needs fills
     ``load`` of the workers' time, and the infinite-cache estimate it starts
-    from. The work is ``schedule.request_work``'s (each prompt prefilled
+    from. The work is ``replay_load.request_work``'s (each prompt prefilled
     alone past its cached prefix, each output token at a 32-row decode
     step's cost) with the prefixes one worker holding all the workers'
     memory serves: what the best router could reach, whatever the policy.

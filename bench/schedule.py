@@ -1,11 +1,13 @@
 """``swallow bench schedule``: schedule policies on trace replay.
 
 The replay (``bench/schedule_replay.py``) runs the engine's scheduler,
-pools and prefix cache on a virtual clock; this module supplies the
-``calibrated`` cost model, measured on this machine: the real engine's step
-time on the demo model's shape (random weights, float32, CPU) over prefill
-chunks at several contexts and decode batches of several sizes, fitted as a
-linear model of the step's features.
+pools and prefix cache on a virtual clock; this module replays the trace
+once per policy at the load asked for and reports each one's TTFT
+(``schedule_bench``), and supplies the ``calibrated`` cost model, measured
+on this machine: the real engine's step time on the demo model's shape
+(random weights, float32, CPU) over prefill chunks at several contexts and
+decode batches of several sizes, fitted as a linear model of the step's
+features.
 """
 
 from __future__ import annotations
@@ -15,32 +17,24 @@ import dataclasses
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench import log
-from demo.train import demo_llm_config
+from demo.model import demo_llm_config
 from llm_core import LLM, SamplingParams
 from bench.prefix_cache import TokenFactory, TraceRequest, load_trace, trace_page_size
-from bench.schedule_replay import (
-    AnalyticCost,
-    LinearCost,
-    ReplayConfig,
-    RequestTimes,
-    StepShape,
-    calibrate_load,
-    plot_cdf,
-    replay,
-    schedule_bench,
-    step_shape,
-    summarize,
-)
+from bench.replay_cost import AnalyticCost, LinearCost, StepShape, step_shape
+from bench.replay_load import calibrate_load, utilisation
+from bench.schedule_replay import ReplayConfig, RequestTimes, replay, summarize
 from llm_core.checkpoint import write_random_checkpoint
 from llm_core.presets import mimo_v2_5_pro
+from llm_core.schedule_policy import POLICIES, LengthBuckets
 from llm_core.scheduler import ScheduledChunk
 
-__all__ = ["calibrated_cost", "cost_model", "engine_comparison", "engine_replay", "run_schedule_bench", "scaled_trace"]
+__all__ = ["calibrated_cost", "cost_model", "engine_comparison", "engine_replay", "plot_cdf", "run_schedule_bench",
+           "scaled_trace", "schedule_bench"]
 
 VOCAB = 431
 PREFILL_CHUNKS = (16, 64, 256, 1024)
@@ -129,6 +123,63 @@ def cost_model(name: str, log: Callable[[str], None] | None = None) -> AnalyticC
     if name == "calibrated":
         return calibrated_cost(log)
     raise ValueError(f"unknown cost model {name!r}; choose mimo-v2.5-pro-h200 or calibrated")
+
+
+def schedule_bench(trace: str, cost: AnalyticCost | LinearCost, load: float = 0.8,
+                   policies: Sequence[str] = POLICIES, config: ReplayConfig = ReplayConfig(),
+                   limit: int | None = None, stagger_s: float = 60.0,
+                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = log or (lambda _msg: None)
+    requests = load_trace(trace, stagger_s=stagger_s)[:limit]
+    scale = calibrate_load(requests, cost, load, config, say)
+    buckets = LengthBuckets(config.bucket_edges)
+    out: dict[str, Any] = {"trace": trace, "requests": len(requests), "cost_model": cost.describe(),  # type: ignore[attr-defined]
+                           "load": load, "time_scale": round(scale, 6), "bucket_edges": list(config.bucket_edges),
+                           "stagger_s": stagger_s, "closed_sessions": config.closed_sessions, "policies": {}}
+    cdfs: dict[str, list[float]] = {}
+    for policy in policies:
+        start = time.perf_counter()
+        result = replay(requests, cost, dataclasses.replace(config, policy=policy), scale)
+        summary: dict[str, Any] = summarize(result.times)
+        summary["utilisation"] = round(utilisation(result), 4)
+        summary["preemptions"] = result.preemptions
+        summary["cached_prompt_tokens"] = result.cached_tokens
+        summary["steps"] = result.steps
+        summary["buckets"] = {label: summarize([t for t in result.times if t.bucket == b])
+                              for b, label in enumerate(buckets.labels) if any(t.bucket == b for t in result.times)}
+        out["policies"][policy] = summary
+        cdfs[policy] = sorted(t.first_token - t.arrival for t in result.times if t.first_token is not None)
+        say(f"{policy}: p90 {summary['ttft_p90_s']} s, {time.perf_counter() - start:.1f} s to replay")
+    if "fcfs" in out["policies"] and "compute-aware" in out["policies"]:
+        fcfs, ours = out["policies"]["fcfs"], out["policies"]["compute-aware"]
+        out["compute_aware_vs_fcfs"] = {
+            "ttft_p90": round(ours["ttft_p90_s"] / fcfs["ttft_p90_s"], 4) if fcfs["ttft_p90_s"] else None,
+            "ttft_max": round(ours["ttft_max_s"] / fcfs["ttft_max_s"], 4) if fcfs["ttft_max_s"] else None,
+            "throughput": round(ours["throughput_tok_s"] / fcfs["throughput_tok_s"], 4)
+            if fcfs["throughput_tok_s"] else None}
+    out["_cdfs"] = cdfs
+    return out
+
+
+def plot_cdf(cdfs: dict[str, list[float]], out: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for policy, values in cdfs.items():
+        if values:
+            ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, virtual clock)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
 
 
 def run_schedule_bench(trace: str, cost: str, load: float, limit: int | None, plot: str | None,

@@ -1,28 +1,10 @@
 """Schedule policies on trace replay: the engine's scheduler, pools and prefix
-cache serve a trace with its arrival times, and a cost model says how long
-each step takes, so TTFT is measured on a virtual clock. The same replay runs
-N such workers on one clock behind a dispatcher (``replay_workers``: the
-router bench, ``bench/router.py``).
-
-Two cost models:
-
-* ``mimo-v2.5-pro-h200`` (``AnalyticCost``): a step of MiMo-V2.5-Pro on one
-  node of 8 H200s, from the preset's shapes: compute time is the step's
-  FLOPs (2 x active parameters per row, plus attention over each row's
-  context, SWA layers over at most the window) at a fraction of peak; memory
-  time is the bytes it reads (non-expert weights, the experts its rows
-  touch, the KV it attends) at a fraction of HBM bandwidth; the step takes
-  the larger of the two plus a fixed overhead. The constants are fields of
-  the dataclass, stated in ``docs/benchmarks.md``.
-* ``calibrated`` (``LinearCost``, measured by ``bench/schedule.py``):
-  the engine's own step time on this machine for the demo-size model,
-  measured over prefill chunks and decode batches of several sizes and
-  contexts and fitted as a linear model of the same step features.
-
-``--load`` scales the trace's clock so the offered work is that fraction of
-what the system can do: the work of a request is its prompt tokens past an
-infinite cache's hit, prefilled alone, plus its output tokens at the
-per-token cost of a 32-row decode step.
+cache serve a trace with its arrival times, and a cost model
+(``bench/replay_cost.py``) says how long each step takes, so TTFT is
+measured on a virtual clock. The same replay runs N such workers on one
+clock behind a dispatcher (``replay_workers``: the router bench,
+``bench/router.py``). The load a trace offers a replay, and the time scale
+that sets it, are ``bench/replay_load.py``'s.
 
 Pure logic: no model runs in a replay.
 """
@@ -32,187 +14,23 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from bench.prefix_cache import MIMO_WINDOW, TokenFactory, TraceRequest, load_trace, trace_page_size
-from llm_core.config import ModelConfig
+from bench.prefix_cache import MIMO_WINDOW, TokenFactory, TraceRequest, trace_page_size
+from bench.replay_cost import CostModel, step_shape
 from llm_core.kv_events import KVEventLog
 from llm_core.kv_pool import FullKVPool, KVAllocator, SWAKVPool
 from llm_core.prefix_cache import RadixCache
-from llm_core.schedule_policy import POLICIES, LengthBuckets
+from llm_core.schedule_policy import LengthBuckets
 from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
 
-@dataclass(frozen=True)
-class StepShape:
-    """What a cost model sees of one step."""
-
-    prefill_tokens: int = 0
-    prefill_attended: int = 0  # sum over prefill rows of the positions each attends (full layers)
-    prefill_attended_swa: int = 0  # the same, capped at the window (SWA layers)
-    prefill_context: int = 0  # sum over prefill chunks of the cached positions before them (KV read)
-    decode_rows: int = 0
-    decode_context: int = 0  # sum over decode rows of their context
-    decode_context_swa: int = 0
-    sampled_rows: int = 0
-
-    @property
-    def rows(self) -> int:
-        return self.prefill_tokens + self.decode_rows
+__all__ = ["Dispatch", "ReplayConfig", "ReplayResult", "ReplayWorker", "RequestTimes", "VirtualClock", "WorkerStats",
+           "replay", "replay_workers", "summarize"]
 
 
-def _attended(start: int, n: int, cap: int | None = None) -> int:
-    """Sum of min(p, cap) for p in start + 1 .. start + n (each row sees itself)."""
-    lo, hi = start + 1, start + n
-    if cap is None or hi <= cap:
-        return (lo + hi) * n // 2
-    if lo > cap:
-        return cap * n
-    return (lo + cap) * (cap - lo + 1) // 2 + cap * (hi - cap)
-
-
-def step_shape(chunks: Iterable[ScheduledChunk], window: int) -> StepShape:
-    pt = pa = pas = pc = dr = dc = dcs = sampled = 0
-    for chunk in chunks:
-        sampled += chunk.samples
-        if chunk.length == 1 and chunk.seq.output:
-            dr += chunk.rows
-            dc += (chunk.start + 1) * chunk.rows
-            dcs += min(chunk.start + 1, window) * chunk.rows
-            continue
-        pt += chunk.rows
-        pa += _attended(chunk.start, chunk.rows)
-        pas += _attended(chunk.start, chunk.rows, window)
-        pc += chunk.start
-    return StepShape(pt, pa, pas, pc, dr, dc, dcs, sampled)
-
-
-class CostModel(Protocol):
-    name: str
-
-    def step_seconds(self, shape: StepShape) -> float: ...
-
-
-@dataclass(frozen=True)
-class AnalyticCost:
-    """Step time of a MiMo-V2 model on a node of ``gpus`` H200s (EP across them)."""
-
-    name: str
-    active_params: float  # per row: attention, dense MLP share, routed experts (k of E)
-    lm_head_params: float  # per sampled row
-    dense_bytes: float  # weights every step reads whatever its rows (all but routed experts)
-    expert_bytes: float  # one expert of one MoE layer
-    moe_layers: int
-    experts: int
-    experts_per_token: int
-    full_attn_flops_per_key: float  # per query row, per attended key, summed over full layers
-    swa_attn_flops_per_key: float  # the same over SWA (and no MTP) layers
-    full_kv_bytes_per_token: float
-    swa_kv_bytes_per_token: float
-    gpus: int = 8
-    peak_flops: float = 989e12  # H200 dense BF16 per GPU
-    hbm_bytes_per_s: float = 4.8e12  # H200 HBM3e per GPU
-    compute_efficiency: float = 0.5  # achieved fraction of peak on large batches
-    bandwidth_efficiency: float = 0.7
-    step_overhead_s: float = 0.002  # launch, scheduling, expert-parallel all-to-all latency
-
-    @classmethod
-    def for_preset(cls, config: ModelConfig, name: str = "mimo-v2.5-pro-h200", weight_bytes: float = 1.0,
-                   kv_bytes: float = 2.0) -> AnalyticCost:
-        """FP8 weights (``weight_bytes`` per parameter), BF16 KV."""
-        h = config.hidden_size
-        full, swa = config.full_attention, config.sliding_attention
-
-        def attn_params(spec: Any) -> float:
-            return h * spec.num_heads * spec.head_dim + h * spec.num_kv_heads * (spec.head_dim + spec.v_head_dim) \
-                + spec.num_heads * spec.v_head_dim * h
-
-        n_full, n_swa = len(config.full_layer_ids), len(config.sliding_layer_ids)
-        attention = n_full * attn_params(full) + n_swa * attn_params(swa)
-        moe_layers = sum(t == "sparse" for t in config.mlp_layer_types)
-        dense_mlp = (len(config.mlp_layer_types) - moe_layers) * 3 * h * config.intermediate_size
-        expert = 3 * h * config.moe_intermediate_size
-        routers = moe_layers * h * config.n_routed_experts
-        lm_head = h * config.vocab_size
-        active = attention + dense_mlp + routers + moe_layers * config.num_experts_per_tok * expert
-        return cls(
-            name=name, active_params=active, lm_head_params=lm_head,
-            dense_bytes=(attention + dense_mlp + routers + lm_head) * weight_bytes, expert_bytes=expert * weight_bytes,
-            moe_layers=moe_layers, experts=config.n_routed_experts, experts_per_token=config.num_experts_per_tok,
-            full_attn_flops_per_key=n_full * 2 * full.num_heads * (full.head_dim + full.v_head_dim),
-            swa_attn_flops_per_key=n_swa * 2 * swa.num_heads * (swa.head_dim + swa.v_head_dim),
-            full_kv_bytes_per_token=n_full * full.kv_elements_per_token * kv_bytes,
-            swa_kv_bytes_per_token=n_swa * swa.kv_elements_per_token * kv_bytes,
-        )
-
-    def step_seconds(self, s: StepShape) -> float:
-        rows = s.rows
-        if rows == 0:
-            return 0.0
-        flops = 2 * self.active_params * rows + 2 * self.lm_head_params * s.sampled_rows
-        flops += self.full_attn_flops_per_key * (s.prefill_attended + s.decode_context)
-        flops += self.swa_attn_flops_per_key * (s.prefill_attended_swa + s.decode_context_swa)
-        touched = self.experts * (1 - (1 - self.experts_per_token / self.experts) ** rows)
-        read = self.dense_bytes + self.moe_layers * touched * self.expert_bytes
-        read += self.full_kv_bytes_per_token * (s.prefill_context + s.decode_context)
-        read += self.swa_kv_bytes_per_token * (s.decode_context_swa + min(s.prefill_context, MIMO_WINDOW))
-        compute_s = flops / (self.gpus * self.peak_flops * self.compute_efficiency)
-        memory_s = read / (self.gpus * self.hbm_bytes_per_s * self.bandwidth_efficiency)
-        return max(compute_s, memory_s) + self.step_overhead_s
-
-    def describe(self) -> dict[str, float | int | str]:
-        return {"name": self.name, "gpus": self.gpus, "peak_flops_per_gpu": self.peak_flops,
-                "hbm_bytes_per_s_per_gpu": self.hbm_bytes_per_s, "compute_efficiency": self.compute_efficiency,
-                "bandwidth_efficiency": self.bandwidth_efficiency, "step_overhead_s": self.step_overhead_s,
-                "active_params": self.active_params, "weights_read_per_step_bytes": self.dense_bytes,
-                "expert_bytes": self.expert_bytes, "weight_bytes_per_param": 1, "kv_bytes_per_element": 2}
-
-
-FEATURES = ("prefill_tokens", "prefill_attended", "decode_rows", "decode_context")
-
-
-@dataclass(frozen=True)
-class LinearCost:
-    """t = intercept + sum(coefficient x feature) over FEATURES, fitted."""
-
-    name: str
-    intercept: float
-    coefficients: tuple[float, ...]
-
-    def step_seconds(self, s: StepShape) -> float:
-        if s.rows == 0:
-            return 0.0
-        return max(0.0, self.intercept + sum(c * getattr(s, f) for c, f in zip(self.coefficients, FEATURES)))
-
-    @classmethod
-    def fit(cls, samples: Seq[tuple[StepShape, float]], name: str = "calibrated") -> LinearCost:
-        import numpy as np
-
-        x = np.array([[1.0, *(float(getattr(s, f)) for f in FEATURES)] for s, _ in samples])
-        y = np.array([t for _, t in samples])
-        # Non-negative least squares by clipping and refitting: a negative cost
-        # per token would let a longer step look cheaper.
-        keep = list(range(x.shape[1]))
-        while True:
-            coef = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
-            bad = [k for k, c in zip(keep, coef) if c < 0 and k != 0]
-            if not bad:
-                break
-            keep = [k for k in keep if k not in bad]
-        full = [0.0] * x.shape[1]
-        for k, c in zip(keep, coef):
-            full[k] = float(c)
-        return cls(name, full[0], tuple(full[1:]))
-
-    def describe(self) -> dict[str, float | str]:
-        return {"name": self.name, "intercept_s": self.intercept,
-                **{f"{f}_s": c for f, c in zip(FEATURES, self.coefficients)}}
-
-
-# --------------------------------------------------------------------- replay
 @dataclass(frozen=True)
 class ReplayConfig:
     policy: str = "compute-aware"
@@ -500,147 +318,3 @@ def summarize(times: Seq[RequestTimes]) -> dict[str, float | int]:
             "ttft_p99_s": round(_percentile(ttft, 0.99), 4), "ttft_max_s": round(max(ttft, default=0.0), 4),
             "ttft_mean_s": round(sum(ttft) / len(ttft), 4) if ttft else 0.0,
             "throughput_tok_s": round(tokens / span, 1) if span else 0.0}
-
-
-# ------------------------------------------------------------------- load
-def request_work(requests: Seq[TraceRequest], cost: CostModel, window: int = MIMO_WINDOW) -> float:
-    """Seconds of work the trace offers: each request's prompt past an
-    infinite cache's hit, prefilled alone in 8K chunks, plus its output at
-    the per-token cost of a 32-row decode step at its context."""
-    page = trace_page_size(list(requests))
-    seen: set[tuple[tuple[str, int], ...]] = set()
-    total = 0.0
-    for req in requests:
-        hit_blocks = 0
-        for i in range(1, len(req.blocks) + 1):
-            if req.blocks[:i] in seen:
-                hit_blocks = i
-            else:
-                break
-        for i in range(hit_blocks + 1, len(req.blocks) + 1):
-            seen.add(req.blocks[:i])
-        for seconds in _work_seconds(cost, window, req.input_tokens, req.output_tokens, hit_blocks * page):
-            total += seconds
-    return total
-
-
-def served_work(times: Iterable[RequestTimes], cost: CostModel, window: int = MIMO_WINDOW) -> float:
-    """The same, for requests as a replay served them: each prompt past the
-    prefix its worker's cache really served."""
-    total = 0.0
-    for t in times:
-        for seconds in _work_seconds(cost, window, t.prompt_tokens, t.output_tokens, t.cached_tokens):
-            total += seconds
-    return total
-
-
-def _work_seconds(cost: CostModel, window: int, input_tokens: int, output_tokens: int,
-                  hit_tokens: int) -> Iterator[float]:
-    """A request's work, step by step: its prompt past ``hit_tokens`` in
-    8K chunks alone, then its output at a 32-row decode step's cost per token."""
-    start = min(hit_tokens, max(0, input_tokens - 1))
-    while start < input_tokens:
-        n = min(8192, input_tokens - start)
-        yield cost.step_seconds(StepShape(n, _attended(start, n), _attended(start, n, window), start, sampled_rows=1))
-        start += n
-    ctx = input_tokens + output_tokens // 2
-    decode = cost.step_seconds(StepShape(decode_rows=32, decode_context=32 * ctx,
-                                         decode_context_swa=32 * min(ctx, window), sampled_rows=32))
-    yield max(output_tokens - 1, 0) * decode / 32
-
-
-def arrival_span(requests: Seq[TraceRequest]) -> float:
-    """Seconds from the first arrival to the last, unscaled."""
-    return max(r.arrival for r in requests) - min(r.arrival for r in requests)
-
-
-def load_scale(requests: Seq[TraceRequest], cost: CostModel, load: float) -> float:
-    """The factor on arrival times that makes the offered work ``load`` of the time."""
-    span = arrival_span(requests)
-    return request_work(requests, cost) / (load * span) if span > 0 else 1.0
-
-
-def utilisation(result: ReplayResult) -> float:
-    """Busy time over the time from the first arrival to the last finish, per worker."""
-    span = max((t.finished or 0.0) for t in result.times) - min(t.arrival for t in result.times)
-    return result.busy_s / (span * max(1, len(result.workers))) if span > 0 else 0.0
-
-
-def calibrate_load(requests: Seq[TraceRequest], cost: CostModel, load: float, config: ReplayConfig,
-                   log: Callable[[str], None] | None = None, rounds: int = 3) -> float:
-    """The arrival-time factor at which an FCFS replay is busy ``load`` of the
-    time: the work estimate's factor, corrected by replaying (batching and
-    cache misses make real steps cost other than the estimate)."""
-    scale = load_scale(requests, cost, load)
-    fcfs = replace(config, policy="fcfs")
-    for _ in range(rounds):
-        measured = utilisation(replay(requests, cost, fcfs, scale))
-        if log is not None:
-            log(f"time scale {scale:.4f}: utilisation {measured:.3f}")
-        if measured <= 0:
-            break
-        scale *= measured / load
-    return scale
-
-
-# ------------------------------------------------------------------ bench
-def schedule_bench(trace: str, cost: AnalyticCost | LinearCost, load: float = 0.8,
-                   policies: Seq[str] = POLICIES, config: ReplayConfig = ReplayConfig(),
-                   limit: int | None = None, stagger_s: float = 60.0,
-                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    say = log or (lambda _msg: None)
-    requests = load_trace(trace, stagger_s=stagger_s)[:limit]
-    scale = calibrate_load(requests, cost, load, config, say)
-    buckets = LengthBuckets(config.bucket_edges)
-    out: dict[str, Any] = {"trace": trace, "requests": len(requests), "cost_model": cost.describe(),  # type: ignore[attr-defined]
-                           "load": load, "time_scale": round(scale, 6), "bucket_edges": list(config.bucket_edges),
-                           "stagger_s": stagger_s, "closed_sessions": config.closed_sessions, "policies": {}}
-    cdfs: dict[str, list[float]] = {}
-    for policy in policies:
-        start = time.perf_counter()
-        result = replay(requests, cost, replace(config, policy=policy), scale)
-        summary: dict[str, Any] = summarize(result.times)
-        summary["utilisation"] = round(utilisation(result), 4)
-        summary["preemptions"] = result.preemptions
-        summary["cached_prompt_tokens"] = result.cached_tokens
-        summary["steps"] = result.steps
-        summary["buckets"] = {label: summarize([t for t in result.times if t.bucket == b])
-                              for b, label in enumerate(buckets.labels) if any(t.bucket == b for t in result.times)}
-        out["policies"][policy] = summary
-        cdfs[policy] = sorted(t.first_token - t.arrival for t in result.times if t.first_token is not None)
-        say(f"{policy}: p90 {summary['ttft_p90_s']} s, {time.perf_counter() - start:.1f} s to replay")
-    if "fcfs" in out["policies"] and "compute-aware" in out["policies"]:
-        fcfs, ours = out["policies"]["fcfs"], out["policies"]["compute-aware"]
-        out["compute_aware_vs_fcfs"] = {
-            "ttft_p90": round(ours["ttft_p90_s"] / fcfs["ttft_p90_s"], 4) if fcfs["ttft_p90_s"] else None,
-            "ttft_max": round(ours["ttft_max_s"] / fcfs["ttft_max_s"], 4) if fcfs["ttft_max_s"] else None,
-            "throughput": round(ours["throughput_tok_s"] / fcfs["throughput_tok_s"], 4)
-            if fcfs["throughput_tok_s"] else None}
-    out["_cdfs"] = cdfs
-    return out
-
-
-def plot_cdf(cdfs: dict[str, list[float]], out: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for policy, values in cdfs.items():
-        if values:
-            ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=policy)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s, virtual clock)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-__all__ = ["AnalyticCost", "Dispatch", "LinearCost", "ReplayConfig", "ReplayResult", "ReplayWorker", "StepShape",
-           "VirtualClock", "WorkerStats", "arrival_span", "calibrate_load", "load_scale", "replay",
-           "replay_workers", "schedule_bench", "served_work", "step_shape", "summarize", "utilisation"]

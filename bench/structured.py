@@ -28,7 +28,8 @@ import numpy as np
 
 from api.models import DEMO_MODEL_DIR
 from bench import log
-from demo.world import TASKS, make_scene
+from demo.tasks import make_scene
+from demo.world import TASKS
 from llm_core import LLM, SamplingParams
 from llm_core.chat import ChatTemplate
 from llm_core.grammar import GrammarSpec

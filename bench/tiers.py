@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from bench import log
-from demo.train import demo_llm_config
+from demo.model import demo_llm_config
 from llm_core import LLM, SamplingParams
 from llm_core.checkpoint import write_random_checkpoint
 from llm_core.kv_tiers import FULL, KVTiers

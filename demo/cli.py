@@ -44,7 +44,8 @@ def add_demo_commands(commands: Any) -> None:
 
 
 def _train_demo(args: argparse.Namespace) -> int:
-    from demo.train import TrainConfig, finetune_config, train_demo
+    from demo.train import train_demo
+    from demo.train_config import TrainConfig, finetune_config
 
     given = {"seed": args.seed, "batch_size": args.batch_size, "max_steps": args.max_steps,
              "max_minutes": args.max_minutes, "lr": args.lr, "round_trip_share": args.round_trip_share}

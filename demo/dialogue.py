@@ -20,15 +20,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from demo.world import (
+from demo.tasks import reasoning
+from demo.tool_spec import (
     NO_TOOL_ANSWER,
     VIDEO_INFO_TOOL,
     VIDEO_TOOL_NAME,
-    Sample,
     question_property,
-    reasoning,
     tool_exchange,
 )
+from demo.world import Sample
 
 __all__ = [
     "ADDED_TOKENS",

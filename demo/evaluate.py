@@ -36,19 +36,15 @@ from demo.dialogue import (
     parse_tool_calls,
     split_reasoning,
 )
-from demo.world import (
-    TASKS,
-    VIDEO_PROPERTIES,
-    VIDEO_TOOL_NAME,
-    Sample,
-    answer_matches,
-    make_eval_set,
-    write_media,
-)
+from demo.render import write_media
+from demo.tasks import answer_matches, make_eval_set
+from demo.tool_spec import VIDEO_PROPERTIES, VIDEO_TOOL_NAME
+from demo.world import TASKS, Sample
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel
 from api.chat_service import ChatService
-from api.uploads import StoredFile, sniff_media_kind
+from api.media_sniff import sniff_media_kind
+from api.uploads import StoredFile
 from llm_core import MultimodalSpan
 from llm_core.chat import MediaPart, expand_placeholders
 from llm_core.multimodal import SpanRef

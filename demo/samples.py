@@ -15,16 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from demo.world import (
-    PROPERTY_QUESTIONS,
-    VIDEO_PROPERTIES,
-    VIDEO_TOOL_NAME,
-    Sample,
-    description,
-    make_sample,
-    tool_exchange,
-    write_media,
-)
+from demo.render import write_media
+from demo.tasks import description, make_sample
+from demo.tool_spec import PROPERTY_QUESTIONS, VIDEO_PROPERTIES, VIDEO_TOOL_NAME, tool_exchange
+from demo.world import Sample
 
 __all__ = ["GALLERY", "QUESTIONS_BY_KIND", "GallerySample", "SampleGallery", "SampleQuestion", "SampleSpec"]
 

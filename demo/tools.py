@@ -1,6 +1,6 @@
 """The demo's one tool, run on a real file: what ``get_video_info`` returns for
 an uploaded video, read by the server's own prober. For a file of the demo
-world it is what the model was trained to read back (``world.tool_exchange``)."""
+world it is what the model was trained to read back (``demo.tool_spec.tool_exchange``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from demo.world import VIDEO_PROPERTIES, tool_value
+from demo.tool_spec import VIDEO_PROPERTIES, tool_value
 from media import probe_video
 
 __all__ = ["ToolArgumentError", "get_video_info"]

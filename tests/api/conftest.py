@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from demo.world import make_eval_set, write_media
+from demo.render import write_media
+from demo.tasks import make_eval_set
 
 
 @pytest.fixture(scope="module")

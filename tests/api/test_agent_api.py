@@ -158,7 +158,8 @@ def _video_question(tmp_path: Path, seed: int) -> tuple[list[dict[str, Any]], An
 
     import numpy as np
 
-    from demo.world import make_sample, write_media
+    from demo.render import write_media
+    from demo.tasks import make_sample
 
     sample = make_sample(np.random.default_rng(seed), "video_info")
     (path,) = write_media(sample, tmp_path, "clip")
@@ -172,7 +173,7 @@ def _video_question(tmp_path: Path, seed: int) -> tuple[list[dict[str, Any]], An
 def test_the_demo_model_calls_its_tool_and_answers_from_the_result(client, tmp_path: Path, seed: int) -> None:  # noqa: ANN001
     """The demo's own tool, chosen by the model (tool_choice auto), then its result
     read back into a sentence: the feature end to end, as the README shows it."""
-    from demo.world import VIDEO_INFO_TOOL, question_property, tool_exchange
+    from demo.tool_spec import VIDEO_INFO_TOOL, question_property, tool_exchange
 
     messages, sample = _video_question(tmp_path, seed)
     prop = question_property(sample.question)
@@ -197,7 +198,7 @@ def test_the_demo_model_calls_its_tool_and_answers_from_the_result(client, tmp_p
 
 
 def test_the_demo_model_reasons_before_its_tool_call(client, tmp_path: Path) -> None:  # noqa: ANN001
-    from demo.world import VIDEO_INFO_TOOL, question_property
+    from demo.tool_spec import VIDEO_INFO_TOOL, question_property
 
     messages, sample = _video_question(tmp_path, 9)
     reply = client.chat.completions.create(model="demo", messages=messages, tools=[VIDEO_INFO_TOOL], max_tokens=80,

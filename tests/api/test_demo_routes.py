@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from demo.samples import GALLERY
-from demo.world import make_sample, tool_exchange
+from demo.tasks import make_sample
+from demo.tool_spec import tool_exchange
 from tests.api.live import live_server
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
@@ -66,7 +67,7 @@ def test_second_question_about_a_clip_reports_both_caches(server: str) -> None:
 
 @pytest.mark.parametrize("prop", ["frame_rate", "width", "height", "duration"])
 def test_the_demo_tool_reads_an_uploaded_video(server: str, tmp_path: Path, prop: str) -> None:
-    from demo.world import write_media
+    from demo.render import write_media
 
     sample = make_sample(np.random.default_rng(5), "video_info")
     (path,) = write_media(sample, tmp_path, "clip")

@@ -11,7 +11,8 @@ import pytest
 from swallow.cli import main
 from bench.prefix_cache import load_trace
 from bench.router import NodeMemory, replay_routed, router_bench
-from bench.schedule_replay import AnalyticCost, ReplayConfig, replay
+from bench.replay_cost import AnalyticCost
+from bench.schedule_replay import ReplayConfig, replay
 from llm_core.presets import get_preset
 from llm_core.router import Router
 

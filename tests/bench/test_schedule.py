@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 from bench.schedule import VOCAB, calibrated_cost, engine_replay, scaled_trace
-from demo.train import demo_llm_config
+from demo.model import demo_llm_config
 from llm_core import LLM
 from bench.prefix_cache import load_trace
-from bench.schedule_replay import StepShape
+from bench.replay_cost import StepShape
 from llm_core.checkpoint import write_random_checkpoint
 
 

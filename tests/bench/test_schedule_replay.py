@@ -10,16 +10,9 @@ import pytest
 
 from swallow.cli import main
 from bench.prefix_cache import TraceRequest
-from bench.schedule_replay import (
-    AnalyticCost,
-    LinearCost,
-    ReplayConfig,
-    StepShape,
-    calibrate_load,
-    replay,
-    summarize,
-    utilisation,
-)
+from bench.replay_cost import AnalyticCost, LinearCost, StepShape
+from bench.replay_load import calibrate_load, utilisation
+from bench.schedule_replay import ReplayConfig, replay, summarize
 from llm_core.presets import mimo_v2_5_pro
 
 COST = AnalyticCost.for_preset(mimo_v2_5_pro())

@@ -8,7 +8,9 @@ import math
 import pytest
 
 from bench.registry import bench_parser
-from bench.serve import Stream, parse_levels, recompiles_in, serve_bench, split_server_args
+from bench.serve import parse_levels, serve_bench
+from bench.serve_drivers import Stream
+from bench.serve_servers import recompiles_in, split_server_args
 
 LEVEL_KEYS = {"tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "offline_tok_s",
               "served_over_offline"}
@@ -29,7 +31,8 @@ def test_itl_is_per_token_and_its_mean_is_the_per_token_time() -> None:
 
 
 def test_a_level_takes_its_fastest_runs_throughput_and_every_runs_latencies() -> None:
-    from bench.serve import Run, summarize
+    from bench.serve import summarize
+    from bench.serve_drivers import Run
 
     def run(wall_s: float, ttfts: list[float]) -> Run:
         streams = []
@@ -89,7 +92,7 @@ def test_bench_serve_against_a_live_server() -> None:
 def test_drivers_take_turns_run_by_run() -> None:
     """Every side warms up untimed, then each level's runs alternate between
     the sides, so a slow minute of the machine falls on all of them alike."""
-    from bench.serve import Plan, Run, Workload, interleaved_levels
+    from bench.serve_drivers import Plan, Run, Workload, interleaved_levels
 
     calls: list[tuple[str, int, int]] = []
 
@@ -108,7 +111,8 @@ def test_drivers_take_turns_run_by_run() -> None:
 
 
 def test_a_failing_peer_is_reported_and_stops_running() -> None:
-    from bench.serve import Run, Workload, _reporting_failure, _vllm_section
+    from bench.serve import _reporting_failure, _vllm_section
+    from bench.serve_drivers import Run, Workload
 
     attempts = []
 

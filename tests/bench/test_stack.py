@@ -1,4 +1,4 @@
-"""The pure parts of `swallow bench stack` (bench/stack.py): the seeded
+"""The pure parts of `swallow bench stack` (bench/stack*.py): the seeded
 workload, the context bound, and the figures read from /stats snapshots. No
 process is started here; the live run is `swallow bench stack --json`."""
 
@@ -10,16 +10,13 @@ from typing import Any
 
 import pytest
 
-from bench.stack import (
-    CROSS_WORKER_DEFINITION,
-    TurnResult,
+from bench.stack_client import TurnResult
+from bench.stack_figures import CROSS_WORKER_DEFINITION, compare_answers, policy_figures, reuse_model
+from bench.stack_workload import (
     WorkloadConfig,
     build_workload,
-    compare_answers,
     estimate_prompt_tokens,
     messages_for_turn,
-    policy_figures,
-    reuse_model,
     shared_prefix_tokens,
 )
 from bench.registry import bench_parser

@@ -12,8 +12,11 @@ import torch
 from swallow.cli import main
 from api.models import DEMO_MODEL_DIR, ensure_default_model
 from demo.evaluate import ask, eval_demo
-from demo.train import PackedCausalAttention, TrainConfig, finetune_config, train_demo
-from demo.world import answer_matches, make_sample, write_media
+from demo.model import PackedCausalAttention
+from demo.render import write_media
+from demo.tasks import answer_matches, make_sample
+from demo.train import train_demo
+from demo.train_config import TrainConfig, finetune_config
 from llm_core import LLM
 from llm_core.attention import attention_reference
 from llm_core.config import AttentionSpec

@@ -23,15 +23,9 @@ from demo.dialogue import (
     split_reasoning,
     tool_call_message,
 )
-from demo.world import (
-    NO_TOOL_ANSWER,
-    REASONING,
-    TASKS,
-    VIDEO_INFO_TOOL,
-    VIDEO_PROPERTIES,
-    make_sample,
-    tool_call_text,
-)
+from demo.tasks import REASONING, make_sample
+from demo.tool_spec import NO_TOOL_ANSWER, VIDEO_INFO_TOOL, VIDEO_PROPERTIES, tool_call_text
+from demo.world import TASKS
 from llm_core.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from llm_core.tokenizer import Tokenizer
 

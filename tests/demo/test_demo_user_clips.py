@@ -14,7 +14,7 @@ import pytest
 
 from api.models import DEMO_MODEL_DIR
 from demo.evaluate import ask_many
-from demo.world import answer_matches
+from demo.tasks import answer_matches
 
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").exists(),
                                 reason="the demo model is not in this checkout")

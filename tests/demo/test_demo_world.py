@@ -1,4 +1,5 @@
-"""demo.world: the synthetic world's questions/answers, its invariants (shapes inside
+"""demo.world and what draws and renders it (demo.tasks, demo.render,
+demo.tool_spec): the synthetic world's questions/answers, its invariants (shapes inside
 the frame, separate blinks, countable beeps), its variety of frame sizes and rates,
 reproducibility, speed, and agreement between the in-memory training media and what the
 server decodes from written files."""
@@ -16,6 +17,23 @@ import numpy as np
 import pytest
 
 from demo import world
+from demo.render import render_frames, write_media
+from demo.tasks import (
+    MediaFormat,
+    answer_matches,
+    make_eval_set,
+    make_sample,
+    make_scene,
+    reasoning,
+    sample_stream,
+)
+from demo.tool_spec import (
+    VIDEO_INFO_TOOL,
+    VIDEO_PROPERTIES,
+    question_property,
+    tool_exchange,
+    video_property,
+)
 from demo.world import (
     COLORS,
     COMMON_RATES,
@@ -26,25 +44,12 @@ from demo.world import (
     SAMPLED_FRAMES,
     SHAPES,
     TASKS,
-    VIDEO_INFO_TOOL,
-    VIDEO_PROPERTIES,
     VIDEO_SECONDS,
-    MediaFormat,
     Sample,
-    answer_matches,
-    make_eval_set,
-    make_sample,
-    make_scene,
-    question_property,
-    reasoning,
-    sample_stream,
     sampled_frame_indices,
     sampled_frame_times,
-    tool_exchange,
     video_frame_count,
     video_frame_times,
-    video_property,
-    write_media,
 )
 from encoders.presets import DEMO_PREPROCESS
 from media import (
@@ -386,7 +391,7 @@ def test_motion_is_visible_and_inside_the_frame(task: str) -> None:
         if task == "describe":
             assert s.answer.startswith(f"a {shape.color} {shape.kind} moves {direction} ")
         # Every frame of the file, not only the sampled ones, keeps a free border.
-        full = world.render_frames(shape, video_frame_times(s.scene.fps), s.scene.width, s.scene.height)
+        full = render_frames(shape, video_frame_times(s.scene.fps), s.scene.width, s.scene.height)
         border = shape_mask(full)
         assert not border[:, 0].any() and not border[:, -1].any()
         assert not border[:, :, 0].any() and not border[:, :, -1].any()
@@ -500,7 +505,7 @@ def _check_video_file(s: Sample, path: Path) -> None:
     assert light_on(frames) == light_on(s.frames)
     # The sampler picked the very frames training renders: a neighbour (1/fps earlier
     # or later) of a moving shape would be further off than the codec's error.
-    full = world.render_frames(s.scene.shape, video_frame_times(fps), w, h)
+    full = render_frames(s.scene.shape, video_frame_times(fps), w, h)
     for got, k in zip(frames, sampled_frame_indices(fps)):
         errors = {j: np.abs(got.astype(np.int16) - full[j]).mean() for j in (k - 1, k, k + 1)
                   if 0 <= j < len(full)}

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from demo.samples import GALLERY, QUESTIONS_BY_KIND, SampleGallery, sample_questions
-from demo.world import TASKS, make_sample, tool_exchange
+from demo.tasks import make_sample
+from demo.tool_spec import tool_exchange
+from demo.world import TASKS
 from media import load_audio, load_image, probe_video
 
 
