@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -117,6 +118,9 @@ class ChatRequest:
     thinking: bool = False  # the chat template opens a reasoning section
     n: int = 1
     top_logprobs: int | None = None  # None: no logprobs
+    # The one id of this request: its response's ``id`` and ``X-Request-Id``,
+    # and what the engine's logs and a stack's messages call it.
+    request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
 
     @property
     def template_variables(self) -> dict[str, Any]:
@@ -125,6 +129,15 @@ class ChatRequest:
 
 
 FileLookup = Callable[[str], StoredFile | None]
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def choice_request_id(request_id: str, index: int) -> str:
+    """The engine request of a response's choice ``index``: the response's id, then ``-1``, ``-2``..."""
+    return request_id if index == 0 else f"{request_id}-{index}"
 
 
 def parse_chat_request(body: Any, lookup_file: FileLookup) -> ChatRequest:

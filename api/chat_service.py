@@ -7,13 +7,12 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from api.chat import BadRequest, ChatRequest, MediaRef
+from api.chat import BadRequest, ChatRequest, MediaRef, choice_request_id
 from api.chat_output import ChoiceDelta, ChoiceOutput, OutputOptions
 from api.engine_loop import EngineUnavailable, RequestFailed, StreamEvent
 from api.frontend import Frontend, MediaEmbedding
@@ -100,7 +99,7 @@ class ChatService:
 
     async def open(
         self, prompt_ids: list[int], params: SamplingParams, spans: list[MultimodalSpan | SpanRef],
-        stop: tuple[str, ...] = (),
+        stop: tuple[str, ...] = (), request_id: str | None = None,
     ) -> Generation:
         """Admit a request to the engine: whatever it refuses is raised here, before
         the response starts (so it can still be a 400). The engine thread
@@ -108,7 +107,7 @@ class ChatService:
         started = time.perf_counter()
         tokenizer = self.model.tokenizer
         text = None if tokenizer is None else TextStream(tokenizer.stream_decoder(), stop)
-        stream = await self.model.engine.open(prompt_ids, params, spans, text)
+        stream = await self.model.engine.open(prompt_ids, params, spans, text, request_id=request_id)
         return Generation(stream, len(prompt_ids), started)
 
     async def open_choices(self, request: ChatRequest, prompt_ids: list[int],
@@ -117,7 +116,7 @@ class ChatService:
         the others start once its prompt is cached, so the prompt is computed
         once and each further choice only decodes. A seeded request's choice i
         draws with seed + i."""
-        first = await self.open(prompt_ids, request.params, spans, request.stop)
+        first = await self.open(prompt_ids, request.params, spans, request.stop, request.request_id)
         if request.n == 1:
             return [first]
         gens = [first]
@@ -126,7 +125,8 @@ class ChatService:
             for i in range(1, request.n):
                 seed = request.params.seed
                 params = replace(request.params, seed=None if seed is None else (seed + i) % (1 << 64))
-                gens.append(await self.open(prompt_ids, params, spans, request.stop))
+                gens.append(await self.open(prompt_ids, params, spans, request.stop,
+                                            choice_request_id(request.request_id, i)))
         except BaseException:
             for gen in gens:
                 await gen.stream.aclose()
@@ -194,12 +194,12 @@ class ChatService:
         choices = [{"index": i, "message": output.message(), "finish_reason": finish, "logprobs": output.logprobs()}
                    for i, (output, finish) in enumerate(results)]
         outputs = [output for output, _ in results]
-        return _chat_envelope(self.model.name, "chat.completion") | {
+        return _chat_envelope(request.request_id, self.model.name, "chat.completion") | {
             "choices": choices, "usage": _chat_usage(gens[0].num_prompt_tokens, outputs),
         }
 
     async def stream(self, request: ChatRequest, gens: list[Generation]) -> AsyncIterator[str]:
-        envelope = _chat_envelope(self.model.name, "chat.completion.chunk")
+        envelope = _chat_envelope(request.request_id, self.model.name, "chat.completion.chunk")
         for i in range(len(gens)):
             first = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                      "logprobs": None}
@@ -307,8 +307,8 @@ def sse_error(exc: RequestFailed | EngineUnavailable) -> str:
     return f"data: {answer.body.decode()}\n\n"
 
 
-def _chat_envelope(model: str, kind: str) -> dict[str, Any]:
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model}
+def _chat_envelope(request_id: str, model: str, kind: str) -> dict[str, Any]:
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -4,14 +4,13 @@ n choices each, streamed per step or answered whole."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from api.chat import (
-    BadRequest, parse_bool, parse_choices, parse_include_usage, parse_int, parse_sampling, parse_stop,
-    require_unicode,
+    BadRequest, choice_request_id, new_request_id, parse_bool, parse_choices, parse_include_usage, parse_int,
+    parse_sampling, parse_stop, require_unicode,
 )
 from api.chat_service import ChatService, Generation, gather_or_cancel, interleaved, sse_choices, usage_of
 from api.engine_loop import StreamEvent
@@ -71,14 +70,16 @@ class CompletionService:
         params = request.params
         try:
             for ids in request.prompts:
-                first = await self.chat.open(ids, params, [], request.stop)
+                first = await self.chat.open(ids, params, [], request.stop,
+                                             choice_request_id(request.request_id, len(opened)))
                 opened.append(first)
                 if request.n == 1:
                     continue
                 opened[-1] = await first.peeked()
                 for j in range(1, request.n):
                     seed = None if params.seed is None else (params.seed + j) % (1 << 64)
-                    opened.append(await self.chat.open(ids, replace(params, seed=seed), [], request.stop))
+                    opened.append(await self.chat.open(ids, replace(params, seed=seed), [], request.stop,
+                                                       choice_request_id(request.request_id, len(opened))))
         except BaseException:
             for gen in opened:
                 await gen.stream.aclose()
@@ -95,7 +96,7 @@ class CompletionService:
             tokens.append(event.token)
         return {"text": text, "finish_reason": finish, "token_ids": tokens, "logprobs": logprobs.as_dict()}
 
-    async def complete(self, gens: list[Generation], n: int = 1) -> dict:
+    async def complete(self, request: CompletionRequest, gens: list[Generation]) -> dict:
         try:
             results = await gather_or_cancel([self._one(gen) for gen in gens])
         finally:
@@ -107,12 +108,12 @@ class CompletionService:
             for i, r in enumerate(results)
         ]
         total = sum(len(r["token_ids"]) for r in results)
-        return _completion_envelope(self.chat.model.name) | {
+        return _completion_envelope(request.request_id, self.chat.model.name) | {
             "choices": choices,
-            "usage": usage_of(_prompt_tokens(gens, n), total),
+            "usage": usage_of(_prompt_tokens(gens, request.n), total),
         }
 
-    async def stream(self, gens: list[Generation], include_usage: bool, n: int = 1) -> AsyncIterator[str]:
+    async def stream(self, request: CompletionRequest, gens: list[Generation]) -> AsyncIterator[str]:
         async def pieces(i: int, gen: Generation) -> AsyncIterator[tuple[int, str, str | None, list[int],
                                                                           dict[str, Any] | None]]:
             tokens: list[int] = []
@@ -137,9 +138,9 @@ class CompletionService:
             return {"index": i, "text": delta, "token_ids": new_tokens, "logprobs": logprobs,
                     "finish_reason": finish}
 
-        envelope = _completion_envelope(self.chat.model.name)  # one id for the whole stream
+        envelope = _completion_envelope(request.request_id, self.chat.model.name)  # one id for the whole stream
         sources = [pieces(i, gen) for i, gen in enumerate(gens)]
-        usage = (lambda: usage_of(_prompt_tokens(gens, n), sum(counts))) if include_usage else None
+        usage = (lambda: usage_of(_prompt_tokens(gens, request.n), sum(counts))) if request.include_usage else None
         # One choice needs no interleaving (and none of its per-token hops).
         async for chunk in sse_choices(gens, sources[0] if len(sources) == 1 else interleaved(sources), envelope,
                                        choice, usage):
@@ -154,6 +155,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     n: int = 1
+    request_id: str = field(default_factory=lambda: new_request_id("cmpl"))  # as ChatRequest.request_id
 
 
 def _prompt_tokens(gens: list[Generation], n: int) -> int:
@@ -187,5 +189,5 @@ class _LegacyLogprobs:
                 "text_offset": self.text_offset}
 
 
-def _completion_envelope(model: str) -> dict[str, Any]:
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
+def _completion_envelope(request_id: str, model: str) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}

@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
@@ -100,7 +101,8 @@ class _Handle:
     events: asyncio.Queue[Any]  # _ADMITTED, then StreamEvents; or an exception
     text: Detokenizer | None = None  # touched on the engine thread only, once admitted
     sink: Sink | None = None
-    request_id: int | None = None
+    request_id: int | None = None  # the engine's
+    label: str = ""  # the API's id of the request, for logs
     finished: bool = False
     export_kv: bool = False
     released: bool = False  # its caller let go: counted out of ``pending``, aborted unless finished
@@ -200,6 +202,7 @@ class AsyncEngine:
         spans: Sequence[MultimodalSpan] = (),
         text: Detokenizer | None = None,
         sink: Sink | None = None,
+        request_id: str | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         """Admit a request and return its token stream. Everything the engine checks
         (lengths, KV pool, spans, vocabulary) is refused here, as ``ValueError``,
@@ -211,35 +214,38 @@ class AsyncEngine:
         With ``sink``, the admission (as None, before ``open`` returns) and every
         event go to ``sink`` instead, in the callback that settles the step: no
         task wakes per request and step. The stream then yields nothing; it ends
-        after the final event, or raises the request's failure."""
-        return await self.submit(prompt_ids, params, spans, text, sink).admitted()
+        after the final event, or raises the request's failure. ``request_id``:
+        the API's id of the request, which the engine loop's log lines name."""
+        return await self.submit(prompt_ids, params, spans, text, sink, request_id).admitted()
 
-    async def open_export(self, prompt_ids: list[int], params: SamplingParams,
-                          spans: Sequence[MultimodalSpan] = ()) -> AsyncGenerator[StreamEvent, None]:
+    async def open_export(self, prompt_ids: list[int], params: SamplingParams, spans: Sequence[MultimodalSpan] = (),
+                          request_id: str | None = None) -> AsyncGenerator[StreamEvent, None]:
         """``open`` for a prefill worker's request: it ends after its first
         token, whose event carries the request's packed KV (``exported``)."""
-        return await Submission(self, self._queue(prompt_ids, params, spans, None, export_kv=True)).admitted()
+        handle = self._queue(prompt_ids, params, spans, None, export_kv=True, label=request_id)
+        return await Submission(self, handle).admitted()
 
     async def open_prefilled(self, reservation: KVReservation, prompt_ids: list[int], params: SamplingParams,
                              prefilled: PrefilledKV, blob: torch.Tensor, spans: Sequence[MultimodalSpan] = (),
-                             text: Detokenizer | None = None, sink: Sink | None = None
-                             ) -> AsyncGenerator[StreamEvent, None]:
+                             text: Detokenizer | None = None, sink: Sink | None = None,
+                             request_id: str | None = None) -> AsyncGenerator[StreamEvent, None]:
         """``open`` for a request prefilled elsewhere: ``blob`` fills the
         reservation, and the stream starts at the first token (ValueError if
         it does not fit the reservation, which is then still held)."""
         handle = self._queue(prompt_ids, params, spans, text, sink=sink,
-                             prefilled=_Prefilled(reservation, prefilled, blob))
+                             prefilled=_Prefilled(reservation, prefilled, blob), label=request_id)
         return await Submission(self, handle).admitted()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, spans: Sequence[MultimodalSpan] = (),
-               text: Detokenizer | None = None, sink: Sink | None = None) -> Submission:
+               text: Detokenizer | None = None, sink: Sink | None = None,
+               request_id: str | None = None) -> Submission:
         """``open`` in two halves: the request is queued for the engine now,
         without awaiting anything (a caller on the event loop gets it into the
         next step, where a task would start a loop turn later), and
         ``Submission.admitted`` waits for the admission. The caller owns the
         submission: ``admitted`` and its stream, or ``release``, let it go.
         ``EngineOverloaded`` here, at once."""
-        return Submission(self, self._queue(prompt_ids, params, spans, text, sink=sink))
+        return Submission(self, self._queue(prompt_ids, params, spans, text, sink=sink, label=request_id))
 
     def post(self, fn: Callable[[LLM], Any]) -> None:
         """``fn(llm)`` on the engine thread, not waited for (a clean-up that
@@ -303,10 +309,12 @@ class AsyncEngine:
         export_kv: bool = False,
         prefilled: _Prefilled | None = None,
         sink: Sink | None = None,
+        label: str | None = None,
     ) -> _Handle:
         if self._pending >= self.max_pending:
             raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
-        handle = _Handle(asyncio.get_running_loop(), asyncio.Queue(), text, sink, export_kv=export_kv)
+        handle = _Handle(asyncio.get_running_loop(), asyncio.Queue(), text, sink, export_kv=export_kv,
+                         label=label or uuid.uuid4().hex)
         self._pending += 1
         self._send(_Add(handle, prompt_ids, params, tuple(spans), prefilled))
         return handle
@@ -433,10 +441,11 @@ class AsyncEngine:
             self._post(handle, exc)
             return
         except Exception as exc:  # noqa: BLE001 - this request's problem: the engine thread goes on
-            log.exception("admitting a request failed")
+            log.exception("admitting request %s failed", handle.label)
             self._post(handle, RequestFailed(f"the request could not be admitted: {type(exc).__name__}: {exc}"))
             return
         handle.request_id = rid
+        log.debug("request %s is engine request %d", handle.label, rid)
         self._live[rid] = handle
         self._post(handle, _ADMITTED)
 
@@ -498,6 +507,7 @@ class AsyncEngine:
         """What the request's stream gets for this event: the token with its text,
         or the request's failure."""
         if event.error is not None:
+            log.warning("request %s (engine request %d) failed: %s", handle.label, event.request_id, event.error)
             return RequestFailed(f"the request failed while generating: {event.error}")
         extra = {"logprob": event.logprob, "top_logprobs": event.top_logprobs, "cached_tokens": event.cached_tokens}
         if handle.text is None:
@@ -505,7 +515,7 @@ class AsyncEngine:
         try:
             delta = handle.text.push(event.token, final=event.finish_reason is not None)
         except Exception as exc:  # noqa: BLE001 - this request's problem: the engine thread goes on
-            log.exception("decoding the text of request %d failed", event.request_id)
+            log.exception("decoding the text of request %s failed", handle.label)
             return RequestFailed(f"the request's text could not be decoded: {type(exc).__name__}: {exc}")
         return StreamEvent(event.token, "stop" if handle.text.stopped else event.finish_reason, delta, **extra)
 

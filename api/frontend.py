@@ -65,7 +65,10 @@ class EngineClient(Protocol):
         params: SamplingParams,
         spans: Sequence[MultimodalSpan | SpanRef] = (),
         text: Detokenizer | None = None,
-    ) -> AsyncGenerator[StreamEvent, None]: ...
+        request_id: str | None = None,
+    ) -> AsyncGenerator[StreamEvent, None]:
+        """``request_id``: the API's id of the request, which logs and messages carry (one is made up without)."""
+        ...
 
     async def flush_cache(self) -> dict[str, Any]: ...
 

@@ -97,7 +97,7 @@ class CompletionRoutes:
             if form is not None:
                 form.cleanup()  # embedded: the spooled media are no longer needed
             gens = await until_disconnected(request, chat.open_choices(parsed, built.token_ids, built.spans))
-            headers = gens[0].headers | built.headers
+            headers = gens[0].headers | built.headers | {"x-request-id": parsed.request_id}
             if parsed.stream:
                 return StreamingResponse(chat.stream(parsed, gens), media_type="text/event-stream", headers=headers)
             return JSONResponse(await until_disconnected(request, chat.complete(parsed, gens)), headers=headers)
@@ -115,10 +115,11 @@ class CompletionRoutes:
             body = await read_json(request, JSON_BODY_LIMIT)
             parsed = completions.parse(body)
             gens = await until_disconnected(request, completions.open(parsed))
+            headers = {"x-request-id": parsed.request_id}
             if parsed.stream:
-                return StreamingResponse(completions.stream(gens, parsed.include_usage, parsed.n),
-                                         media_type="text/event-stream")
-            return JSONResponse(await until_disconnected(request, completions.complete(gens, parsed.n)))
+                return StreamingResponse(completions.stream(parsed, gens), media_type="text/event-stream",
+                                         headers=headers)
+            return JSONResponse(await until_disconnected(request, completions.complete(parsed, gens)), headers=headers)
 
         return await guarded(request, handle)
 

@@ -168,9 +168,11 @@ class RemoteEngineClient:
         params: SamplingParams,
         spans: Sequence[MultimodalSpan | SpanRef] = (),
         text: Detokenizer | None = None,
+        request_id: str | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         routed = RoutedStream()
-        stream = self._stream(prompt_ids, params, spans, text, routed)
+        # The API's id goes to the worker in the Submit: its log lines name the request the same way.
+        stream = self._stream(prompt_ids, params, spans, text, routed, request_id or uuid.uuid4().hex)
         await stream.__anext__()  # admitted: from here closing the stream aborts the request
         routed.stream = stream  # type: ignore[assignment]
         return routed  # type: ignore[return-value]
@@ -182,12 +184,12 @@ class RemoteEngineClient:
         spans: Sequence[MultimodalSpan | SpanRef],
         text: Detokenizer | None,
         routed: RoutedStream,
+        request_id: str,
     ) -> AsyncGenerator[StreamEvent | None, None]:
         if self._pending >= self.max_pending:
             raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
         if self.vocab_size is not None:
             params.check_vocabulary(self.vocab_size)
-        request_id = uuid.uuid4().hex
         try:
             decision = self.router.route(request_id, with_cache_tokens(prompt_ids, spans))
         except NoWorkers:

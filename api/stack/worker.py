@@ -237,7 +237,7 @@ class WorkerService:
             try:
                 self._check_incarnation(submit)
                 params, prompt = self._checked(submit.sampling, submit.prompt_ids)
-                submission = self.engine.submit(prompt, params, sink=sink)
+                submission = self.engine.submit(prompt, params, sink=sink, request_id=rid)
             except (ValueError, EngineOverloaded, EngineUnavailable) as exc:
                 self.outbox.put(identity, m.Refused(rid, refusal_status(exc), str(exc)))
                 return
@@ -276,7 +276,7 @@ class WorkerService:
         params, prompt, spans = await self._request(submit.sampling, submit.prompt_ids, submit.spans)
         if submit.prefill_by:
             return await self.disaggregation.admit(submit, params, prompt, spans, sink)
-        return await self.engine.open(prompt, params, spans, sink=sink)
+        return await self.engine.open(prompt, params, spans, sink=sink, request_id=submit.request_id)
 
     async def _request(self, sampling: m.SamplingSpec, prompt_ids: list[int],
                        refs: Sequence[m.SpanSpec]) -> tuple[SamplingParams, list[int], list[MultimodalSpan]]:

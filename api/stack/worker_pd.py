@@ -102,7 +102,7 @@ class Disaggregation:
         reservation = await self.engine.call(lambda llm: llm.reserve_kv(len(prompt), params.max_tokens))
         if reservation is None:
             self.counts["no_room"] += 1  # no room to hold its KV now: it queues here like any request
-            return await self.engine.open(prompt, params, spans, sink=sink)
+            return await self.engine.open(prompt, params, spans, sink=sink, request_id=submit.request_id)
         held = True
         try:
             received = await self._receive_kv(submit, reservation)
@@ -110,7 +110,7 @@ class Disaggregation:
                 prefilled, blob, slot = received
                 try:
                     stream = await self.engine.open_prefilled(reservation, prompt, params, prefilled, blob, spans,
-                                                               sink=sink)
+                                                               sink=sink, request_id=submit.request_id)
                     held = False
                     self.counts["received"] += 1
                     return stream
@@ -123,7 +123,7 @@ class Disaggregation:
             if held:
                 self.engine.post(lambda llm: llm.cancel_reservation(reservation))
         self.counts["fallbacks"] += 1
-        return await self.engine.open(prompt, params, spans, sink=sink)
+        return await self.engine.open(prompt, params, spans, sink=sink, request_id=submit.request_id)
 
     def _transport(self, name: str) -> KVTransport:
         transport = self._transports.get(name)
@@ -156,6 +156,8 @@ class Disaggregation:
         ticket = slot.ticket
         queue: asyncio.Queue[object] = asyncio.Queue()
         self._transfers[ticket.transfer_id] = queue
+        log.debug("request %s: its KV comes from %s as transfer %s", submit.request_id, submit.prefill_by,
+                  ticket.transfer_id)
         sock = self._prefill_sock(submit.prefill_by)
         started = time.monotonic()
         deadline = started + self.transfer_timeout_s
@@ -251,7 +253,8 @@ class Disaggregation:
             raise ValueError(f"KV layouts differ: the decode worker stores {request.kv_layout}, this one "
                              f"{self.llm.engine.kv_layout}")
         params, prompt, spans = await self._prepare(request.sampling, request.prompt_ids, request.spans)
-        stream = await self.engine.open_export(prompt, params, spans)
+        # The prefill side knows the request by its transfer (the decode worker logs which request that is).
+        stream = await self.engine.open_export(prompt, params, spans, request_id=f"transfer-{request.transfer_id}")
         last: StreamEvent | None = None
         try:
             async for event in stream:

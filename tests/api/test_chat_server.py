@@ -112,6 +112,8 @@ def test_openai_client_text_only_matches_offline(server: LiveServer, mm_checkpoi
     assert result.choices[0].message.role == "assistant"
     assert result.choices[0].message.content == _offline_reply(mm_checkpoint, messages[0]["content"], 10)
     assert result.usage.completion_tokens == 10 and result.usage.prompt_tokens > 5
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=messages, max_tokens=2)
+    assert raw.headers["x-request-id"] == raw.parse().id and raw.parse().id.startswith("chatcmpl-")
     streamed = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0,
                                               stream=True, extra_body={"ignore_eos": True})
     chunks = list(streamed)

@@ -369,3 +369,19 @@ def test_a_reader_stopping_at_the_last_token_queues_no_abort(tiny_checkpoint: Pa
 
     _run(main())
     engine.close()
+
+
+def test_the_apis_request_id_names_the_request_in_the_engine_loops_log(tiny_checkpoint: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    engine = AsyncEngine(LLM(tiny_checkpoint, enable_prefix_caching=False))
+
+    async def main() -> None:
+        stream = await engine.open([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), request_id="cmpl-abc")
+        assert len([e async for e in stream]) == 2
+
+    try:
+        with caplog.at_level("DEBUG", logger="api.engine_loop"):
+            _run(main())
+    finally:
+        engine.close()
+    assert any(r.getMessage().startswith("request cmpl-abc is engine request ") for r in caplog.records)

@@ -71,6 +71,17 @@ def test_streaming_sends_tokens_then_done(server: str, llm: LLM) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == 10
 
 
+def test_one_request_id_names_the_response_its_chunks_and_its_header(server: str) -> None:
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "n": 2}
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["id"].startswith("cmpl-") and r.headers["x-request-id"] == r.json()["id"]
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=60, json=body | {"stream": True}) as streamed:
+        ids = {json.loads(line[6:])["id"] for line in streamed.iter_lines()
+               if line.startswith("data: ") and line != "data: [DONE]"}
+        assert ids == {streamed.headers["x-request-id"]} and ids != {r.json()["id"]}
+
+
 def test_stop_strings_cut_the_text(server: str, llm: LLM) -> None:
     free = llm.generate(["the time"], SamplingParams(max_tokens=16, ignore_eos=True))[0].text
     stop = free[len(free) // 2 : len(free) // 2 + 2]
