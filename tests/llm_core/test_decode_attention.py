@@ -126,12 +126,13 @@ def test_cpu_kernel_handles_scores_far_below_the_max(with_sinks: bool) -> None:
 
 
 def test_engine_on_cpu_decodes_through_the_kernel_where_it_builds(hf_checkpoint) -> None:  # noqa: ANN001
-    from llm_core import LLM, cpu_kernels
+    from llm_core import LLM
+    from llm_core import cpu_kernels
     from llm_core.paged_attention import paged_decode_attention_torch as torch_path
 
     expected = cpu_kernels.paged_decode_attention_cpu if cpu_kernels.available() else torch_path
     extend = cpu_kernels.paged_attention_cpu if cpu_kernels.available() else paged_attention_torch
-    auto, forced = LLM(hf_checkpoint).engine, LLM(hf_checkpoint, attention="torch").engine
+    auto, forced = LLM(hf_checkpoint).engine.runner, LLM(hf_checkpoint, attention="torch").engine.runner
     assert auto.decode_attention_fn is expected and auto.attention_fn is extend
     assert forced.decode_attention_fn is torch_path and forced.attention_fn is paged_attention_torch
 
