@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade "pip>=24"
 	$(BIN)/pip install --quiet -e ".[dev]"
-	$(BIN)/python -m llm_core.cpu_kernels
-	$(BIN)/python -m llm_core.kv_transfer
+	$(BIN)/python -m llm_core.kv.cpu_kernels
+	$(BIN)/python -m llm_core.kv.tiers.kv_transfer
 	@touch $(STAMP)
 
 serve: install

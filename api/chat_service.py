@@ -21,8 +21,8 @@ from api.metrics import ServerMetrics
 from api.output_parsers import resolve_parser
 from api.textstream import TextStream
 from llm_core import MultimodalSpan, SamplingParams
-from llm_core.chat import MediaPart, build_chat_prompt
-from llm_core.multimodal import SpanRef
+from llm_core.model.chat import MediaPart, build_chat_prompt
+from llm_core.model.multimodal import SpanRef
 from media import has_audio_track
 
 __all__ = ["ChatPrompt", "ChatService", "Generation", "gather_or_cancel", "interleaved", "sse", "sse_error", "usage_of"]

@@ -31,11 +31,11 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from llm_core.plan import Hardware, plan
-    from llm_core.presets import get_preset
+    from llm_core.model.presets import get_preset
 
     import torch
 
-    from llm_core.fp8 import FP8_DTYPE
+    from llm_core.model.fp8 import FP8_DTYPE
 
     kv_dtype = {"bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}[args.kv_cache_dtype]
     hardware = Hardware(args.gpus, args.gpu_mem_gib, reserve_gib=args.reserve_gib, weights=args.weights,
@@ -59,7 +59,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _init_checkpoint(args: argparse.Namespace) -> int:
-    from llm_core.presets import get_preset
+    from llm_core.model.presets import get_preset
 
     config = get_preset(args.preset)
     if args.fused_qkv and not args.fp8:
@@ -69,7 +69,7 @@ def _init_checkpoint(args: argparse.Namespace) -> int:
         out = write_random_multimodal(args.dir, config, seed=args.seed, **fp8)
         kind = "multimodal: vision + audio encoders, chat template; "
     else:
-        from llm_core.checkpoint import write_random_checkpoint
+        from llm_core.loading.checkpoint import write_random_checkpoint
 
         out = write_random_checkpoint(args.dir, config, seed=args.seed, **fp8)
         kind = ""

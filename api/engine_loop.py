@@ -35,7 +35,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from llm_core import LLM, MultimodalSpan, SamplingParams
-from llm_core.disagg import KVReservation, PrefilledKV
+from llm_core.cluster.disagg import KVReservation, PrefilledKV
 from llm_core.engine import TokenEvent
 
 __all__ = [

@@ -23,9 +23,9 @@ from api.engine_loop import Detokenizer, StreamEvent
 from api.metrics import ServerMetrics
 from api.options import ServerOptions
 from llm_core import SamplingParams
-from llm_core.chat import ChatTemplate
-from llm_core.multimodal import MultimodalSpan, SpanRef
-from llm_core.tokenizer import Tokenizer
+from llm_core.model.chat import ChatTemplate
+from llm_core.model.multimodal import MultimodalSpan, SpanRef
+from llm_core.model.tokenizer import Tokenizer
 
 __all__ = ["Embedder", "EngineClient", "Frontend", "MediaEmbedding"]
 

@@ -16,7 +16,7 @@ from api.body_refusal import UploadError, format_size, refuse_declared_oversize
 from api.chat import BadRequest, UnsupportedMedia, parse_json_body
 from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed
 from encoders import EncoderQueueFull
-from llm_core.chat import ChatTemplateError
+from llm_core.model.chat import ChatTemplateError
 from media import MediaError
 
 __all__ = ["JSON_BODY_LIMIT", "error_for", "error_response", "guarded", "read_json", "until_disconnected"]

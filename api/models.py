@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from llm_core.config import ModelConfig
+    from llm_core.model.config import ModelConfig
 
 
 # The trained demo model, committed with the code (`swallow train-demo` rebuilds it).
@@ -44,7 +44,7 @@ def write_random_multimodal(out: str | Path, config: ModelConfig, seed: int = 0,
 
 def ensure_default_model() -> Path:
     """The committed demo model if this checkout has it, else the fallback random one (written on first use)."""
-    from llm_core.presets import tiny
+    from llm_core.model.presets import tiny
 
     if (DEMO_MODEL_DIR / "config.json").exists():
         return DEMO_MODEL_DIR

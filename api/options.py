@@ -196,7 +196,7 @@ def kv_tier_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
-    from llm_core.router import DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_LOAD_RATIO, ROUTE_POLICIES
+    from llm_core.cluster.router import DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_LOAD_RATIO, ROUTE_POLICIES
 
     parser.add_argument("--route-policy", default="kv-affinity", choices=ROUTE_POLICIES,
                         help="kv-affinity (default): the worker that can reuse the longest window-safe prefix, "

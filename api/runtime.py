@@ -20,9 +20,9 @@ from embedding_cache import Embedding, EmbeddingCache, MediaEmbedder, MediaEmbed
 from encoders import BatcherConfig, EncoderBatcher
 from encoders.multimodal_checkpoint import encoder_kinds, load_encoders, placeholder_token_ids
 from llm_core import LLM
-from llm_core.chat import ChatTemplate
+from llm_core.model.chat import ChatTemplate
 from llm_core.device import compute_dtype
-from llm_core.tokenizer import Tokenizer
+from llm_core.model.tokenizer import Tokenizer
 from media import VIDEO_PREPROCESS, MediaLimits, VisionPreprocessConfig
 
 __all__ = ["LocalEmbedder", "LocalMedia", "ServingModel", "build_media", "embed_media", "media_config",

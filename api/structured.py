@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeAlias, cast
 from llguidance import LLMatcher, LLTokenizer
 
 from api.errors import BadRequest
-from llm_core.grammar import JSON_LAYOUT, GrammarKind, GrammarSpec, grammar_text
+from llm_core.sample.grammar import JSON_LAYOUT, GrammarKind, GrammarSpec, grammar_text
 
 __all__ = [
     "MAX_TOOLS",

@@ -1,7 +1,7 @@
 """Tokens to text deltas for streaming, with stop strings.
 
 Each token costs the same however long the answer already is: the decoder
-decodes a short window of tokens (``llm_core.tokenizer.StreamDecoder``) and stop
+decodes a short window of tokens (``llm_core.model.tokenizer.StreamDecoder``) and stop
 strings are searched only in the new text plus what was held back before it.
 """
 

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 from api.models import DEMO_MODEL_DIR
-from llm_core.checkpoint import write_random_checkpoint
-from llm_core.config import ModelConfig
+from llm_core.loading.checkpoint import write_random_checkpoint
+from llm_core.model.config import ModelConfig
 from llm_core.llm import LLM
 from llm_core.plan import all_to_all_bytes_per_token
-from llm_core.presets import tiny
-from llm_core.sampling import SamplingParams
-from llm_core.weights import CheckpointReader, read_config
+from llm_core.model.presets import tiny
+from llm_core.sample.sampling import SamplingParams
+from llm_core.loading.weights import CheckpointReader, read_config
 
 DEFAULT_SIZES = (1, 2, 4)
 LOGIT_TOLERANCE = 1e-5

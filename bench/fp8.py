@@ -3,7 +3,7 @@
 * ``identical_greedy``: FP8 hub-layout checkpoints (partial scale blocks in
   both dimensions, MTP layers, MiMo-V2.5's fused qkv_proj, a multimodal one)
   give the greedy tokens transformers gives on their dequantized weights
-  (``llm_core.fp8_dequantize``, which shares nothing with the loader).
+  (``llm_core.loading.fp8_dequantize``, which shares nothing with the loader).
 * ``weights_bytes_fp8`` / ``weights_bytes_bf16``: MiMo-V2-Flash's weights as
   the engine holds them, counted on the meta device.
 * ``load_peak_rss_over_resident``: a fresh process loads an FP8 checkpoint
@@ -32,13 +32,13 @@ import torch
 
 from bench import log
 from llm_core import LLM, SamplingParams
-from llm_core.kv_capacity import GIB, kv_capacity
-from llm_core.checkpoint import write_random_checkpoint
-from llm_core.config import ModelConfig
-from llm_core.fp8 import FP8_DTYPE
-from llm_core.fp8_dequantize import write_dequantized_copy
+from llm_core.kv.kv_capacity import GIB, kv_capacity
+from llm_core.loading.checkpoint import write_random_checkpoint
+from llm_core.model.config import ModelConfig
+from llm_core.model.fp8 import FP8_DTYPE
+from llm_core.loading.fp8_dequantize import write_dequantized_copy
 from llm_core.plan import weight_bytes
-from llm_core.presets import get_preset, tiny, tiny_kv2, tiny_wide
+from llm_core.model.presets import get_preset, tiny, tiny_kv2, tiny_wide
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo"
@@ -101,8 +101,8 @@ _LOAD_CONFIG = dataclasses.replace(tiny(), vocab_size=32000, hidden_size=1024, i
                                    num_mtp_layers=1)
 _MEASURE = """
 import gc, json, sys, torch
-from llm_core.fp8_linear import resident_weight_bytes
-from llm_core.weights import load_model
+from llm_core.model.fp8_linear import resident_weight_bytes
+from llm_core.loading.weights import load_model
 
 def kib(key):
     for line in open("/proc/self/status"):

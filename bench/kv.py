@@ -1,6 +1,6 @@
 """`swallow bench kv`: how many decode-phase requests of a context fit a KV
 budget, hybrid SWA pools against full attention, through the real allocator
-(``llm_core.kv_capacity``), for model shapes that need not fit here."""
+(``llm_core.kv.kv_capacity``), for model shapes that need not fit here."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from llm_core.engine_config import resolve_kv_dtype
-    from llm_core.kv_capacity import GIB, kv_capacity
-    from llm_core.presets import get_preset
+    from llm_core.kv.kv_capacity import GIB, kv_capacity
+    from llm_core.model.presets import get_preset
 
     kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, torch.bfloat16)
     return kv_capacity(get_preset(args.preset), args.context, int(args.kv_budget_gib * GIB),

@@ -65,7 +65,7 @@ class ModelShape:
 
     @classmethod
     def of_checkpoint(cls, model_dir: str | Path) -> ModelShape:
-        from llm_core.config import ModelConfig
+        from llm_core.model.config import ModelConfig
 
         config = ModelConfig.from_json_file(Path(model_dir) / "config.json")
         return cls(config.vocab_size, config.max_position_embeddings)

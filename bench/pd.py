@@ -6,7 +6,7 @@ Three figures, each against its baseline in the same run:
   a full-attention-style transfer of the same prompts would send (every
   layer's KV for every position): ``transfer_ratio_demo``, from the decode
   worker's own counters during the latency run below; and, through the same
-  transfer planning (``llm_core.disagg.plan_for_config``), the MiMo-V2.5-Pro
+  transfer planning (``llm_core.cluster.disagg.plan_for_config``), the MiMo-V2.5-Pro
   shape at 32K and 128K tokens (``transfer_ratio_pro_32k``,
   ``transfer_ratio_pro_128k``): SWA layers send their window only.
 * **Transfer time against bytes.** Each transport (shared memory; gloo
@@ -42,10 +42,10 @@ import torch
 
 from api.launch import launch_stack
 from api.models import DEMO_MODEL_DIR
-from llm_core.disagg import plan_for_config
-from llm_core.kv_transport import SharedMemoryTransport, TorchDistributedTransport, make_transport
-from llm_core.presets import get_preset
-from llm_core.tokenizer import Tokenizer
+from llm_core.cluster.disagg import plan_for_config
+from llm_core.cluster.kv_transport import SharedMemoryTransport, TorchDistributedTransport, make_transport
+from llm_core.model.presets import get_preset
+from llm_core.model.tokenizer import Tokenizer
 
 __all__ = ["PDLoad", "pd_bench", "pro_transfer_ratios", "transport_bandwidth"]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llm_core.cache_sim import POLICIES, CacheSimulator, Policy
+from llm_core.sched.cache_sim import POLICIES, CacheSimulator, Policy
 
 MIMO_WINDOW = 129  # keys a MiMo-V2 SWA query sees (W = 128 plus itself)
 
@@ -124,8 +124,8 @@ def swa_token_cost(preset: str = "mimo-v2-flash") -> float:
     """Bytes of one position of SWA (and MTP) KV over one of full-layer KV."""
     import torch
 
-    from llm_core.paged_attention import KVCacheTensors
-    from llm_core.presets import get_preset
+    from llm_core.kv.paged_attention import KVCacheTensors
+    from llm_core.model.presets import get_preset
 
     tensors = KVCacheTensors(get_preset(preset), 0, 0, torch.bfloat16, "meta")
     return tensors.swa_bytes_per_token / tensors.full_bytes_per_token

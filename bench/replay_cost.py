@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from bench.prefix_cache import MIMO_WINDOW
-from llm_core.config import ModelConfig
-from llm_core.scheduler import ScheduledChunk
+from llm_core.model.config import ModelConfig
+from llm_core.sched.scheduler import ScheduledChunk
 
 __all__ = ["FEATURES", "AnalyticCost", "CostModel", "LinearCost", "StepShape", "attended_positions", "step_shape"]
 

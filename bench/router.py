@@ -57,10 +57,10 @@ from bench.schedule_replay import (
     replay_workers,
     summarize,
 )
-from llm_core.config import ModelConfig
-from llm_core.kv_events import KVEventLog
-from llm_core.presets import get_preset
-from llm_core.router import ROUTE_POLICIES, Router
+from llm_core.model.config import ModelConfig
+from llm_core.kv.kv_events import KVEventLog
+from llm_core.model.presets import get_preset
+from llm_core.cluster.router import ROUTE_POLICIES, Router
 
 __all__ = ["NodeMemory", "RouterDispatch", "memory_sweep", "plot_memory_sweep", "replay_routed", "router_bench",
            "time_scale"]

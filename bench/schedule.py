@@ -28,10 +28,10 @@ from bench.prefix_cache import TokenFactory, TraceRequest, load_trace, trace_pag
 from bench.replay_cost import AnalyticCost, LinearCost, StepShape, step_shape
 from bench.replay_load import calibrate_load, utilisation
 from bench.schedule_replay import ReplayConfig, RequestTimes, replay, summarize
-from llm_core.checkpoint import write_random_checkpoint
-from llm_core.presets import mimo_v2_5_pro
-from llm_core.schedule_policy import POLICIES, LengthBuckets
-from llm_core.scheduler import ScheduledChunk
+from llm_core.loading.checkpoint import write_random_checkpoint
+from llm_core.model.presets import mimo_v2_5_pro
+from llm_core.sched.schedule_policy import POLICIES, LengthBuckets
+from llm_core.sched.scheduler import ScheduledChunk
 
 __all__ = ["calibrated_cost", "cost_model", "engine_comparison", "engine_replay", "plot_cdf", "run_schedule_bench",
            "scaled_trace", "schedule_bench"]

@@ -21,11 +21,11 @@ from typing import Protocol
 
 from bench.prefix_cache import MIMO_WINDOW, TokenFactory, TraceRequest, trace_page_size
 from bench.replay_cost import CostModel, step_shape
-from llm_core.kv_events import KVEventLog
-from llm_core.kv_pool import FullKVPool, KVAllocator, SWAKVPool
-from llm_core.prefix_cache import RadixCache
-from llm_core.schedule_policy import LengthBuckets
-from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
+from llm_core.kv.kv_events import KVEventLog
+from llm_core.kv.kv_pool import FullKVPool, KVAllocator, SWAKVPool
+from llm_core.kv.prefix_cache import RadixCache
+from llm_core.sched.schedule_policy import LengthBuckets
+from llm_core.sched.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
 
 __all__ = ["Dispatch", "ReplayConfig", "ReplayResult", "ReplayWorker", "RequestTimes", "VirtualClock", "WorkerStats",
            "replay", "replay_workers", "summarize"]

@@ -176,8 +176,8 @@ def serve_bench(
     """One JSON-ready dict (keys in the module docstring and docs). ``compile`` and
     ``speculative_tokens`` None: the server's defaults, applied to both sides.
     ``max_output_tokens`` caps the workload's output lengths (quick runs)."""
-    from llm_core.checkpoint import write_random_checkpoint
-    from llm_core.presets import tiny
+    from llm_core.loading.checkpoint import write_random_checkpoint
+    from llm_core.model.presets import tiny
 
     _check_args(levels, repeats, num_requests, peer_vllm)
     args = server_args_for(compile, speculative_tokens, server_args)

@@ -191,7 +191,7 @@ def vllm_env(peer: ModuleType) -> dict[str, str]:
 @contextmanager
 def vllm_server(python: str, model_dir: Path, plan: Plan) -> Iterator[tuple[Target, dict[str, Any]]]:
     """vLLM's OpenAI server on Swallow's checkpoint exported for it, and what to report of it."""
-    from llm_core.presets import tiny
+    from llm_core.model.presets import tiny
 
     peer = _vllm_peer()
     with tempfile.TemporaryDirectory(prefix="swallow-vllm-") as tmp:

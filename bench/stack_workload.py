@@ -223,8 +223,8 @@ def estimate_prompt_tokens(workload: Workload, model_dir: str | Path) -> list[in
     """An upper bound of each conversation's last prompt (its longest), with every
     answer as long as it can be (``max_tokens`` tokens, each taken as two when
     re-tokenised, to be safe) and every media item at its row bound."""
-    from llm_core.chat import ChatTemplate
-    from llm_core.tokenizer import Tokenizer
+    from llm_core.model.chat import ChatTemplate
+    from llm_core.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_dir(model_dir)
     if tokenizer is None:
@@ -245,8 +245,8 @@ def estimate_prompt_tokens(workload: Workload, model_dir: str | Path) -> list[in
 def shared_prefix_tokens(workload: Workload, model_dir: str | Path) -> int:
     """Tokens every conversation's first prompt starts with (system prompt and the
     start of the first user message)."""
-    from llm_core.chat import ChatTemplate
-    from llm_core.tokenizer import Tokenizer
+    from llm_core.model.chat import ChatTemplate
+    from llm_core.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_dir(model_dir)
     if tokenizer is None:

@@ -23,11 +23,11 @@ import torch
 
 from llm_core.engine import Engine, EngineConfig
 from llm_core.model_runner import page_slots
-from llm_core.model import MiMoV2ForCausalLM
-from llm_core.paged_attention import KVCacheTensors
-from llm_core.presets import PRESETS
-from llm_core.sampling import SamplingParams
-from llm_core.scheduler import ScheduledChunk, Sequence
+from llm_core.model.model import MiMoV2ForCausalLM
+from llm_core.kv.paged_attention import KVCacheTensors
+from llm_core.model.presets import PRESETS
+from llm_core.sample.sampling import SamplingParams
+from llm_core.sched.scheduler import ScheduledChunk, Sequence
 
 DEFAULT_CONTEXTS = (1024, 8192, 32768)
 _PREFILL_TOKENS = 16384  # per fast-forward step: prefill is not what is measured

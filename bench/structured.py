@@ -31,9 +31,9 @@ from bench import log
 from demo.tasks import make_scene
 from demo.world import TASKS
 from llm_core import LLM, SamplingParams
-from llm_core.chat import ChatTemplate
-from llm_core.grammar import GrammarSpec
-from llm_core.speculative import SpeculativeStats
+from llm_core.model.chat import ChatTemplate
+from llm_core.sample.grammar import GrammarSpec
+from llm_core.sample.speculative import SpeculativeStats
 
 __all__ = ["SCHEMA", "structured_bench"]
 

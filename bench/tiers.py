@@ -31,9 +31,9 @@ import torch
 from bench import log
 from demo.model import demo_llm_config
 from llm_core import LLM, SamplingParams
-from llm_core.checkpoint import write_random_checkpoint
-from llm_core.kv_tiers import FULL, KVTiers
-from llm_core.kv_transfer import EngineTierIO, page_copy_kernel
+from llm_core.loading.checkpoint import write_random_checkpoint
+from llm_core.kv.tiers.kv_tiers import FULL, KVTiers
+from llm_core.kv.tiers.kv_transfer import EngineTierIO, page_copy_kernel
 
 __all__ = ["tiers_bench"]
 

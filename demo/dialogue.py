@@ -5,7 +5,7 @@ the tool's result), each with the exact output the model is trained to give.
 Training (``demo.train``) and evaluation (``demo.evaluate``) both build
 their conversations here, so what the model learns is what the eval asks.
 
-The template is ChatML with Qwen2-VL-style media markers (``llm_core.chat``'s
+The template is ChatML with Qwen2-VL-style media markers (``llm_core.model.chat``'s
 default) plus what Qwen3 / MiMo templates add: a tools system block, assistant
 tool calls, tool results as a user-side turn, and ``<think>`` opening the answer in
 thinking mode. Without tools, tool messages or thinking it renders exactly what the

@@ -46,8 +46,8 @@ from api.chat_service import ChatService
 from api.media_sniff import sniff_media_kind
 from api.uploads import StoredFile
 from llm_core import MultimodalSpan
-from llm_core.chat import MediaPart, expand_placeholders
-from llm_core.multimodal import SpanRef
+from llm_core.model.chat import MediaPart, expand_placeholders
+from llm_core.model.multimodal import SpanRef
 
 __all__ = ["ask", "ask_many", "eval_demo"]
 

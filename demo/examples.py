@@ -16,8 +16,8 @@ from demo.world import Sample
 from encoders.audio import AudioEncoder, AudioInput
 from encoders.presets import DEMO_AUDIO, DEMO_PREPROCESS
 from encoders.vision import VisionEncoder, VisionInput
-from llm_core.chat import MEDIA_PLACEHOLDERS, ChatTemplate, expand_placeholders
-from llm_core.tokenizer import Tokenizer
+from llm_core.model.chat import MEDIA_PLACEHOLDERS, ChatTemplate, expand_placeholders
+from llm_core.model.tokenizer import Tokenizer
 from media import audio_features, preprocess_images, preprocess_video
 
 HOP = 160

@@ -16,8 +16,8 @@ from demo.examples import Example
 from encoders.audio import AudioEncoder, AudioInput
 from encoders.presets import DEMO_VISION
 from encoders.vision import VisionEncoder, VisionInput
-from llm_core.config import AttentionSpec, ModelConfig
-from llm_core.model import MiMoV2ForCausalLM
+from llm_core.model.config import AttentionSpec, ModelConfig
+from llm_core.model.model import MiMoV2ForCausalLM
 
 __all__ = ["DemoModel", "PackedCausalAttention", "demo_llm_config"]
 

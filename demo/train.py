@@ -53,11 +53,11 @@ from encoders.presets import (
     DEMO_VISION,
 )
 from encoders.vision import VisionEncoder
-from llm_core.checkpoint import random_model
-from llm_core.config import ModelConfig
-from llm_core.model import MiMoV2ForCausalLM
-from llm_core.tokenizer import Tokenizer
-from llm_core.weights import load_model, save_model
+from llm_core.loading.checkpoint import random_model
+from llm_core.model.config import ModelConfig
+from llm_core.model.model import MiMoV2ForCausalLM
+from llm_core.model.tokenizer import Tokenizer
+from llm_core.loading.weights import load_model, save_model
 
 __all__ = ["train_demo"]
 

@@ -20,8 +20,8 @@ from demo.curriculum import TOOL_EXCHANGES
 from demo.dialogue import ADDED_TOKENS, DEMO_CHAT_TEMPLATE, Mode, conversation
 from demo.tasks import make_scene
 from demo.world import COLORS, DIRECTIONS, SHAPES, TASKS, Sample
-from llm_core.chat import MULTIMODAL_SPECIAL_TOKENS, ChatTemplate
-from llm_core.checkpoint import SPECIAL_TOKENS
+from llm_core.model.chat import MULTIMODAL_SPECIAL_TOKENS, ChatTemplate
+from llm_core.loading.checkpoint import SPECIAL_TOKENS
 
 
 _EARLIER_TASKS = tuple(t for t in TASKS if t != "video_info")  # the language the BPE was first trained on

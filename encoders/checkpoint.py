@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llm_core.weights import CheckpointError, CheckpointReader
+from llm_core.loading.weights import CheckpointError, CheckpointReader
 
 __all__ = ["encoder_identity", "find_prefix", "load_submodule", "read_config_json"]
 

@@ -24,11 +24,11 @@ from torch import nn
 from encoders.audio import AudioEncoder, AudioEncoderConfig, load_audio_encoder
 from encoders.checkpoint import read_config_json
 from encoders.vision import VisionEncoder, VisionEncoderConfig, load_vision_encoder
-from llm_core.chat import DEFAULT_CHAT_TEMPLATE, MEDIA_PLACEHOLDERS, MULTIMODAL_SPECIAL_TOKENS
-from llm_core.checkpoint import SPECIAL_TOKENS, write_random_checkpoint
-from llm_core.config import ModelConfig
-from llm_core.tokenizer import Tokenizer
-from llm_core.weights import INDEX_FILE, CheckpointError
+from llm_core.model.chat import DEFAULT_CHAT_TEMPLATE, MEDIA_PLACEHOLDERS, MULTIMODAL_SPECIAL_TOKENS
+from llm_core.loading.checkpoint import SPECIAL_TOKENS, write_random_checkpoint
+from llm_core.model.config import ModelConfig
+from llm_core.model.tokenizer import Tokenizer
+from llm_core.loading.weights import INDEX_FILE, CheckpointError
 
 __all__ = ["add_encoders", "load_encoders", "placeholder_token_ids", "write_random_multimodal_checkpoint"]
 

@@ -33,9 +33,9 @@ from torch import nn
 
 from encoders.checkpoint import encoder_identity, find_prefix, load_submodule, read_config_json
 from encoders.varlen import cu_seqlens_from_lengths, varlen_attention
-from llm_core.config import ConfigError
-from llm_core.layers import RMSNorm
-from llm_core.weights import CheckpointReader
+from llm_core.model.config import ConfigError
+from llm_core.model.layers import RMSNorm
+from llm_core.loading.weights import CheckpointReader
 
 __all__ = ["VisionEncoder", "VisionEncoderConfig", "VisionInput", "load_vision_encoder"]
 

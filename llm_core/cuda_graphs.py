@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from llm_core.paged_attention import DecodeBatch, KVCacheTensors
+from llm_core.kv.paged_attention import DecodeBatch, KVCacheTensors
 
 DecodeForward = Callable[[torch.Tensor, DecodeBatch], torch.Tensor]
 

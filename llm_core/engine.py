@@ -17,23 +17,23 @@ from typing import Any
 
 import torch
 
-from llm_core.disagg import KVReservation, PrefilledKV, SequenceKVPacker
+from llm_core.cluster.disagg import KVReservation, PrefilledKV, SequenceKVPacker
 from llm_core.engine_config import EngineConfig, resolve_speculative_tokens
 from llm_core.engine_kv import build_cache, build_kv, fingerprint, memory_stats
-from llm_core.expert_parallel import ExpertParallelError
-from llm_core.grammar import GrammarCompiler, GrammarMatcher
-from llm_core.kv_events import KVEventLog
+from llm_core.model.expert_parallel import ExpertParallelError
+from llm_core.sample.grammar import GrammarCompiler, GrammarMatcher
+from llm_core.kv.kv_events import KVEventLog
 from llm_core.kv_handoff import KVHandoff
-from llm_core.kv_pool import SequenceView
-from llm_core.model import MiMoV2ForCausalLM
+from llm_core.kv.kv_pool import SequenceView
+from llm_core.model.model import MiMoV2ForCausalLM
 from llm_core.model_runner import ModelRunner, compiled
-from llm_core.multimodal import MultimodalSpan, check_spans, with_cache_tokens
-from llm_core.prefix_cache_records import CacheLock, CacheStats
+from llm_core.model.multimodal import MultimodalSpan, check_spans, with_cache_tokens
+from llm_core.kv.prefix_cache_records import CacheLock, CacheStats
 from llm_core.request import Request, TokenEvent
-from llm_core.sampling import SamplingParams, TokenCounts, request_seed
-from llm_core.schedule_policy import LengthBuckets
-from llm_core.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
-from llm_core.speculative import DraftTarget, MTPDrafter, SpeculativeStats, mtp_layer_forward
+from llm_core.sample.sampling import SamplingParams, TokenCounts, request_seed
+from llm_core.sched.schedule_policy import LengthBuckets
+from llm_core.sched.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
+from llm_core.sample.speculative import DraftTarget, MTPDrafter, SpeculativeStats, mtp_layer_forward
 from llm_core.step_sampler import NOTHING, Drawn, StepSampler
 
 __all__ = ["Engine", "EngineConfig", "EngineFault", "TokenEvent"]

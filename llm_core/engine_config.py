@@ -7,8 +7,8 @@ from typing import Literal
 
 import torch
 
-from llm_core.fp8 import FP8_DTYPE
-from llm_core.kv_pool import SWAMode
+from llm_core.model.fp8 import FP8_DTYPE
+from llm_core.kv.kv_pool import SWAMode
 
 __all__ = ["AttentionImpl", "EngineConfig", "KVCacheDtype", "KV_CACHE_DTYPES", "MAX_SPECULATIVE_TOKENS",
            "resolve_kv_dtype", "resolve_speculative_tokens"]

@@ -10,18 +10,18 @@ from typing import Any
 
 import torch
 
-from llm_core.block_table import BlockTable
+from llm_core.kv.block_table import BlockTable
 from llm_core.engine_config import EngineConfig, resolve_kv_dtype
-from llm_core.kv_events import KVEventLog
-from llm_core.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool
-from llm_core.kv_disk_store import DiskKVStore
-from llm_core.kv_store import HostKVPool
-from llm_core.kv_tiers import KVTiers, TierConfig
-from llm_core.kv_transfer import RESTORE_BUCKETS, EngineTierIO, model_weights_digest
-from llm_core.model import MiMoV2ForCausalLM
-from llm_core.page_address import model_fingerprint
-from llm_core.paged_attention import KVCacheTensors
-from llm_core.prefix_cache import RadixCache
+from llm_core.kv.kv_events import KVEventLog
+from llm_core.kv.kv_pool import FullKVPool, KVAllocator, PoolSizing, SWAKVPool
+from llm_core.kv.tiers.kv_disk_store import DiskKVStore
+from llm_core.kv.tiers.kv_store import HostKVPool
+from llm_core.kv.tiers.kv_tiers import KVTiers, TierConfig
+from llm_core.kv.tiers.kv_transfer import RESTORE_BUCKETS, EngineTierIO, model_weights_digest
+from llm_core.model.model import MiMoV2ForCausalLM
+from llm_core.kv.page_address import model_fingerprint
+from llm_core.kv.paged_attention import KVCacheTensors
+from llm_core.kv.prefix_cache import RadixCache
 
 __all__ = ["EngineKV", "build_cache", "build_kv", "fingerprint", "kv_cache_scales", "memory_stats"]
 

@@ -1,7 +1,7 @@
 """Running one engine over an expert-parallel group, SPMD.
 
 Every rank runs the same engine on the same requests; only the routed
-experts are split (``llm_core.expert_parallel``), and their all-gather leaves
+experts are split (``llm_core.model.expert_parallel``), and their all-gather leaves
 every rank with bit-identical hidden states, so every rank samples the same
 tokens. What must be kept equal is the engine's input: rank 0 (the leader)
 owns the request stream, applies each call (add, abort, flush, reset) to its
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from llm_core.engine import Engine, EngineConfig, TokenEvent
-from llm_core.expert_parallel import (
+from llm_core.model.expert_parallel import (
     ExpertParallel,
     STORE_TIMEOUT,
     ExpertParallelError,
@@ -46,9 +46,9 @@ from llm_core.expert_parallel import (
     broadcast,
     expert_parallel_from_store,
 )
-from llm_core.grammar import GrammarSpec
-from llm_core.multimodal import MultimodalSpan
-from llm_core.sampling import SamplingParams
+from llm_core.sample.grammar import GrammarSpec
+from llm_core.model.multimodal import MultimodalSpan
+from llm_core.sample.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from llm_core.llm import LLM

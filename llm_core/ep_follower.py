@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from llm_core.ep_engine import _rank_device, follow, handshake
-from llm_core.expert_parallel import ExpertParallelError, init_expert_parallel
+from llm_core.model.expert_parallel import ExpertParallelError, init_expert_parallel
 from llm_core.llm import LLM
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import torch
 
-from llm_core.disagg import KVReservation, PrefilledKV, SequenceKVPacker
-from llm_core.kv_pool import KVAllocator
-from llm_core.prefix_cache import RadixCache
+from llm_core.cluster.disagg import KVReservation, PrefilledKV, SequenceKVPacker
+from llm_core.kv.kv_pool import KVAllocator
+from llm_core.kv.prefix_cache import RadixCache
 from llm_core.request import Request
 
 __all__ = ["KVHandoff"]

@@ -9,19 +9,19 @@ from pathlib import Path
 
 import torch
 
-from llm_core.config import ModelConfig
+from llm_core.model.config import ModelConfig
 from llm_core.device import compute_dtype
-from llm_core.disagg import KVReservation, PrefilledKV
-from llm_core.grammar import GrammarCompiler
+from llm_core.cluster.disagg import KVReservation, PrefilledKV
+from llm_core.sample.grammar import GrammarCompiler
 from llm_core.engine import Engine, EngineConfig, TokenEvent
 from llm_core.ep_engine import EPLeader, LocalGroup, check_engine_config, handshake, launch_local_group
-from llm_core.expert_parallel import ExpertParallel, ExpertParallelError
-from llm_core.kv_events import KVEventLog
-from llm_core.multimodal import MultimodalSpan, check_spans
-from llm_core.sampling import SamplingParams
-from llm_core.tokenizer import TOKENIZER_FILE, Tokenizer
+from llm_core.model.expert_parallel import ExpertParallel, ExpertParallelError
+from llm_core.kv.kv_events import KVEventLog
+from llm_core.model.multimodal import MultimodalSpan, check_spans
+from llm_core.sample.sampling import SamplingParams
+from llm_core.model.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm_core.warmup import CompileCounter, warm_up
-from llm_core.weights import QUANTIZATION_MODES, QuantizationMode, describe_weights, load_model
+from llm_core.loading.weights import QUANTIZATION_MODES, QuantizationMode, describe_weights, load_model
 
 Prompt = str | Sequence[int]
 # Called as on_token(prompt_index, token_id, finish_reason) for every generated token.

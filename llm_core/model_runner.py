@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 
-from llm_core.attention_backends import DecodeAttentionBackend, PagedAttentionBackend
-from llm_core.block_table import BlockTable
+from llm_core.kv.attention_backends import DecodeAttentionBackend, PagedAttentionBackend
+from llm_core.kv.block_table import BlockTable
 from llm_core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llm_core.device import column, to_device
 from llm_core.engine_config import AttentionImpl, EngineConfig
-from llm_core.kv_pool import KVAllocator
-from llm_core.kv_transfer import EngineTierIO
-from llm_core.model import MiMoV2ForCausalLM
-from llm_core.paged_attention import (
+from llm_core.kv.kv_pool import KVAllocator
+from llm_core.kv.tiers.kv_transfer import EngineTierIO
+from llm_core.model.model import MiMoV2ForCausalLM
+from llm_core.kv.paged_attention import (
     AttentionFn,
     DecodeAttentionFn,
     DecodeBatch,
@@ -29,7 +29,7 @@ from llm_core.paged_attention import (
     paged_decode_attention_torch,
 )
 from llm_core.request import Request
-from llm_core.scheduler import ScheduledChunk
+from llm_core.sched.scheduler import ScheduledChunk
 
 __all__ = ["DecodeForwardFn", "ModelRunner", "StepInputs", "compiled", "compiled_decode_logits", "decode_logits",
            "extend_hidden", "page_slots", "resolve_attention", "resolve_decode_attention", "sample_rows",
@@ -74,12 +74,11 @@ def uses_triton(impl: AttentionImpl, device: torch.device) -> bool:
 
 def resolve_attention(impl: AttentionImpl, device: torch.device) -> AttentionFn:
     if uses_triton(impl, device):
-        from llm_core.triton_attention import paged_attention_triton
+        from llm_core.kv.triton_attention import paged_attention_triton
 
         return paged_attention_triton
     if impl == "auto" and device.type == "cpu":
-        from llm_core import cpu_kernels
-
+        from llm_core.kv import cpu_kernels
         if cpu_kernels.available():
             return cpu_kernels.paged_attention_cpu
     return paged_attention_torch
@@ -87,12 +86,11 @@ def resolve_attention(impl: AttentionImpl, device: torch.device) -> AttentionFn:
 
 def resolve_decode_attention(impl: AttentionImpl, device: torch.device) -> DecodeAttentionFn:
     if uses_triton(impl, device):
-        from llm_core.triton_attention import paged_decode_attention_triton
+        from llm_core.kv.triton_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton
     if impl == "auto" and device.type == "cpu":
-        from llm_core import cpu_kernels
-
+        from llm_core.kv import cpu_kernels
         if cpu_kernels.available():
             return cpu_kernels.paged_decode_attention_cpu
     return paged_decode_attention_torch

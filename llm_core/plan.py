@@ -15,7 +15,7 @@ Assumptions (each a field of ``Hardware`` or stated where it is used):
   spread over the experts.
 
 No torch kernels run: parameters are counted on the meta device, KV capacity
-is the real pool allocator admitting requests (``llm_core.kv_capacity``).
+is the real pool allocator admitting requests (``llm_core.kv.kv_capacity``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from llm_core.kv_capacity import GIB, kv_capacity
-from llm_core.config import ModelConfig
+from llm_core.kv.kv_capacity import GIB, kv_capacity
+from llm_core.model.config import ModelConfig
 
 __all__ = ["ExpertSplit", "Hardware", "ParameterCounts", "WeightBytes", "parameter_counts", "plan", "weight_bytes"]
 
@@ -71,7 +71,7 @@ ParameterCounts = WeightBytes = ExpertSplit
 def parameter_counts(config: ModelConfig) -> ParameterCounts:
     """The model's parameters, built on the meta device (no memory), split into
     routed experts and the rest."""
-    from llm_core.model import MiMoV2ForCausalLM
+    from llm_core.model.model import MiMoV2ForCausalLM
 
     with torch.device("meta"):
         model = MiMoV2ForCausalLM(config)
@@ -89,7 +89,7 @@ def weight_bytes(config: ModelConfig, weights: str = "fp8") -> WeightBytes:
     the meta device: "fp8" as the published checkpoints are (FP8 matrices with
     their scale tables, o_proj and the small tensors BF16, the router float32),
     "bf16" as a BF16 checkpoint (router float32)."""
-    from llm_core.fp8_linear import model_on_meta, published_fp8_scheme
+    from llm_core.model.fp8_linear import model_on_meta, published_fp8_scheme
 
     model = model_on_meta(config, published_fp8_scheme(config) if weights == "fp8" else None)
     routed = replicated = 0

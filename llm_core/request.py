@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_core.grammar import GrammarMatcher
-from llm_core.multimodal import MultimodalSpan
-from llm_core.sampling import SamplingParams, SamplingRow
-from llm_core.scheduler import Sequence
+from llm_core.sample.grammar import GrammarMatcher
+from llm_core.model.multimodal import MultimodalSpan
+from llm_core.sample.sampling import SamplingParams, SamplingRow
+from llm_core.sched.scheduler import Sequence
 
 __all__ = ["Request", "TokenEvent"]
 

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from llm_core.device import to_device
-from llm_core.grammar import GrammarCompiler, GrammarMatcher
+from llm_core.sample.grammar import GrammarCompiler, GrammarMatcher
 from llm_core.request import Request
-from llm_core.sampling import (
+from llm_core.sample.sampling import (
     SamplingPlan,
     TokenCounts,
     apply_penalties,
@@ -23,7 +23,7 @@ from llm_core.sampling import (
     token_logprobs,
     verify_drafts,
 )
-from llm_core.scheduler import ScheduledChunk
+from llm_core.sched.scheduler import ScheduledChunk
 
 __all__ = ["DraftMasker", "Drawn", "NOTHING", "StepSampler"]
 

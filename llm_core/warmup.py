@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llm_core.layers import _DENSE_TOKENS
-from llm_core.sampling import SamplingParams
+from llm_core.model.layers import _DENSE_TOKENS
+from llm_core.sample.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from llm_core.llm import LLM

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from llm_core.config import ModelConfig
-from llm_core.model import MTPLayer
-from llm_core.presets import tiny
-from llm_core.checkpoint import write_random_checkpoint
+from llm_core.model.config import ModelConfig
+from llm_core.model.model import MTPLayer
+from llm_core.model.presets import tiny
+from llm_core.loading.checkpoint import write_random_checkpoint
 
 _REPORT = pytest.StashKey[list[str]]()
 
@@ -34,12 +34,12 @@ INTEGRATION_FILES = frozenset({
     "demo/test_demo.py", "demo/test_demo_user_clips.py", "demo/test_demo_world.py",
     "embedding_cache/test_keys.py", "embedding_cache/test_ring.py", "embedding_cache/test_service.py",
     "embedding_cache/test_store.py",
-    "llm_core/test_block_table.py", "llm_core/test_compile.py", "llm_core/test_config_sweep.py",
+    "llm_core/kv/test_block_table.py", "llm_core/test_compile.py", "llm_core/model/test_config_sweep.py",
     "llm_core/test_engine.py", "llm_core/test_engine_kv_tiers.py", "llm_core/test_engine_multimodal.py",
-    "llm_core/test_engine_prefix_cache.py", "llm_core/test_expert_parallel.py", "llm_core/test_fp8.py",
-    "llm_core/test_kv_fp8.py", "llm_core/test_kv_transfer.py", "llm_core/test_kv_transport.py",
-    "llm_core/test_sampling.py", "llm_core/test_schedule_policy.py", "llm_core/test_speculative.py",
-    "llm_core/test_structured_decoding.py", "llm_core/test_triton_attention.py", "llm_core/test_triton_fp8.py",
+    "llm_core/test_engine_prefix_cache.py", "llm_core/model/test_expert_parallel.py", "llm_core/model/test_fp8.py",
+    "llm_core/kv/test_kv_fp8.py", "llm_core/kv/tiers/test_kv_transfer.py", "llm_core/cluster/test_kv_transport.py",
+    "llm_core/sample/test_sampling.py", "llm_core/sched/test_schedule_policy.py", "llm_core/sample/test_speculative.py",
+    "llm_core/sample/test_structured_decoding.py", "llm_core/kv/test_triton_attention.py", "llm_core/model/test_triton_fp8.py",
     "llm_core/test_warmup.py",
     "media/test_video.py",
 })

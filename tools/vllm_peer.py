@@ -101,7 +101,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 if TYPE_CHECKING:  # llm_core is not importable in vLLM's venv, where `run` goes
-    from llm_core.config import ModelConfig
+    from llm_core.model.config import ModelConfig
 
 NUM_REQUESTS = 32
 SEED = 0
@@ -222,8 +222,8 @@ def export_checkpoint(original: Path, config: ModelConfig, out_dir: Path, hub_wi
 
 def export(out_dir: Path, hub_window: bool, skip_swallow: bool) -> None:
     from bench.throughput import best_of, make_workload, run_swallow
-    from llm_core.checkpoint import write_random_checkpoint
-    from llm_core.presets import tiny
+    from llm_core.loading.checkpoint import write_random_checkpoint
+    from llm_core.model.presets import tiny
 
     config = tiny()
     out_dir.mkdir(parents=True, exist_ok=True)

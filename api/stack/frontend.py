@@ -2,7 +2,7 @@
 tokenizer, chat template and router here, sends media to encoder processes
 and requests to worker processes.
 
-Routing: every worker's KV events feed the ``Router`` (``llm_core/router.py``),
+Routing: every worker's KV events feed the ``Router`` (``llm_core/cluster/router.py``),
 which sends a request to the worker that can reuse the longest window-safe
 prefix of it, less a load term. Tokens come back over the worker's socket and
 are detokenized here, where stop strings end a request (the worker is told to
@@ -31,12 +31,12 @@ from api.stack.links import Link, LinkSet, ServiceDown
 from api.stack.transport import parse_peers, send
 from encoders.multimodal_checkpoint import encoder_kinds, placeholder_token_ids
 from llm_core import ModelConfig, MultimodalSpan, SamplingParams
-from llm_core.chat import ChatTemplate
+from llm_core.model.chat import ChatTemplate
 from llm_core.llm import check_context_length, encode_prompt
-from llm_core.multimodal import SpanRef, with_cache_tokens
-from llm_core.page_address import CacheGeometry
-from llm_core.router import DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_LOAD_RATIO, NoWorkers, Router
-from llm_core.tokenizer import Tokenizer
+from llm_core.model.multimodal import SpanRef, with_cache_tokens
+from llm_core.kv.page_address import CacheGeometry
+from llm_core.cluster.router import DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_LOAD_RATIO, NoWorkers, Router
+from llm_core.model.tokenizer import Tokenizer
 from media import MediaError
 
 __all__ = ["EncoderLinks", "RemoteEmbedder", "RemoteEngineClient", "StackFrontend", "WorkerLinks"]

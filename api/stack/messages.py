@@ -32,8 +32,8 @@ from typing import Any
 import msgspec
 
 from llm_core import SamplingParams
-from llm_core.grammar import GrammarSpec
-from llm_core.kv_events import EventBatch, KVEvent, Medium
+from llm_core.sample.grammar import GrammarSpec
+from llm_core.kv.kv_events import EventBatch, KVEvent, Medium
 
 __all__ = [
     "PROTOCOL_VERSION", "Abort", "AbortPrefill", "Admitted", "Prefilled", "PrefillFailed", "PrefillRequest",
@@ -111,7 +111,7 @@ class Submit(_Msg):
 
 
 class Ticket(msgspec.Struct, array_like=True, frozen=True):
-    """``llm_core.kv_transport.TransferTicket`` on the wire."""
+    """``llm_core.cluster.kv_transport.TransferTicket`` on the wire."""
 
     transport: str
     transfer_id: str
@@ -244,7 +244,7 @@ class KVEventsMsg(_Msg):
     epoch: int
     start: int
     snapshot: bool
-    # (medium, address, part, held) per event; see llm_core/kv_events.py
+    # (medium, address, part, held) per event; see llm_core/kv/kv_events.py
     events: list[tuple[str, bytes, bytes, int]]
 
     @classmethod

@@ -28,8 +28,8 @@ from api.stack import messages as m
 from api.stack.transport import connect_dealer, recv_message, send
 from api.stack.worker_refusals import MissingEmbedding, refusal_status
 from llm_core import LLM, MultimodalSpan, SamplingParams
-from llm_core.disagg import KVReservation, PrefilledKV
-from llm_core.kv_transport import KVTransport, ReceiveSlot, TransferError, TransferTicket, make_transport
+from llm_core.cluster.disagg import KVReservation, PrefilledKV
+from llm_core.cluster.kv_transport import KVTransport, ReceiveSlot, TransferError, TransferTicket, make_transport
 
 __all__ = ["Disaggregation"]
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from llm_core import LLM
-from llm_core.chat import ChatTemplate
-from llm_core.kv_cache import ContiguousAttention, RequestKVCache, Segment
+from llm_core.model.chat import ChatTemplate
+from llm_core.kv.kv_cache import ContiguousAttention, RequestKVCache, Segment
 from tests.api.live import LiveServer, live_server
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
@@ -239,8 +239,8 @@ def test_sampled_json_schema_answers_always_validate(server: LiveServer) -> None
 
 
 def test_json_object_answers_parse(client) -> None:  # noqa: ANN001
-    from llm_core.grammar import GrammarCompiler, GrammarSpec
-    from llm_core.tokenizer import Tokenizer
+    from llm_core.sample.grammar import GrammarCompiler, GrammarSpec
+    from llm_core.model.tokenizer import Tokenizer
 
     # A JSON object's strings are unbounded, and the demo model never learnt JSON:
     # an answer cut at max_tokens is a prefix the grammar still accepts, a

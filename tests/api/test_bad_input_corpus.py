@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from api.models import write_random_multimodal
-from llm_core.presets import tiny
+from llm_core.model.presets import tiny
 from tests.api.bad_inputs import Case, build_corpus
 from tests.api.live import LiveServer, live_server
 

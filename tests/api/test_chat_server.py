@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.models import write_random_multimodal
 from llm_core import LLM, SamplingParams
-from llm_core.chat import ChatTemplate
-from llm_core.presets import tiny
+from llm_core.model.chat import ChatTemplate
+from llm_core.model.presets import tiny
 from tests.api.live import LiveServer, live_server
 
 API_KEY = "sk-test-key"

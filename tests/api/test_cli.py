@@ -6,7 +6,7 @@ import pytest
 
 from swallow.cli import main
 from llm_core import LLM, SamplingParams
-from llm_core.presets import tiny
+from llm_core.model.presets import tiny
 
 
 def test_init_checkpoint_writes_a_loadable_model_with_tokenizer(tmp_path: Path, capsys) -> None:
@@ -45,7 +45,7 @@ def test_bench_image_prints_one_json_object(capsys) -> None:
 
 def test_init_checkpoint_multimodal_loads_with_encoders(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     from encoders.multimodal_checkpoint import load_encoders, placeholder_token_ids
-    from llm_core.chat import ChatTemplate, DEFAULT_CHAT_TEMPLATE
+    from llm_core.model.chat import ChatTemplate, DEFAULT_CHAT_TEMPLATE
 
     out = tmp_path / "mm"
     assert main(["init-checkpoint", str(out), "--multimodal"]) == 0

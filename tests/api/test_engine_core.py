@@ -19,8 +19,8 @@ from api.engine_core import default_engine_threads, engine_core_plan
 from api.stack import messages as m
 from api.stack.outbox import Outbox
 from api.stack.transport import parse_peers
-from llm_core.checkpoint import write_random_checkpoint
-from llm_core.presets import tiny
+from llm_core.loading.checkpoint import write_random_checkpoint
+from llm_core.model.presets import tiny
 from tests.api.live import alive, live_server
 
 

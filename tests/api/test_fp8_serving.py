@@ -15,8 +15,8 @@ import torch
 
 from api.models import write_random_multimodal
 from api.launch import launch_stack
-from llm_core.fp8_dequantize import write_dequantized_copy
-from llm_core.presets import tiny
+from llm_core.loading.fp8_dequantize import write_dequantized_copy
+from llm_core.model.presets import tiny
 from tests.api.live import live_server
 from tests.api.test_stack import chat_response
 

@@ -44,8 +44,8 @@ from api.openapi import openapi_document
 from api.runtime import ServingModel
 from api.server import create_app
 from demo.routes import DemoRoutes, demo_openapi
-from llm_core.checkpoint import write_random_checkpoint
-from llm_core.presets import tiny
+from llm_core.loading.checkpoint import write_random_checkpoint
+from llm_core.model.presets import tiny
 from tests.api.live import LiveServer, live_server
 
 # Generated max_tokens are bounded by the context in the schema: a short one keeps them

@@ -23,11 +23,11 @@ from api.stack.links import DEAD_AFTER_S
 from api.stack.supervisor import Supervisor, _Process
 from api.stack.transport import bind_router, parse_peers, recv_message, resolve_peers, send
 from llm_core import SamplingParams
-from llm_core.kv_events import KVEventLog
-from llm_core.kv_tiers import FULL, SWA
-from llm_core.grammar import GrammarSpec
-from llm_core.page_address import CacheGeometry, token_page_addresses
-from llm_core.router import Router
+from llm_core.kv.kv_events import KVEventLog
+from llm_core.kv.tiers.kv_tiers import FULL, SWA
+from llm_core.sample.grammar import GrammarSpec
+from llm_core.kv.page_address import CacheGeometry, token_page_addresses
+from llm_core.cluster.router import Router
 
 
 # ------------------------------------------------------------------ messages

@@ -18,7 +18,7 @@ from api.structured import (
     parse_tool_choice,
     parse_tools,
 )
-from llm_core.grammar import GrammarCompiler, GrammarSpec, grammar_text
+from llm_core.sample.grammar import GrammarCompiler, GrammarSpec, grammar_text
 
 TOKENIZER_JSON = Path(__file__).resolve().parents[2] / "models" / "demo" / "tokenizer.json"
 EOS = 4  # <|im_end|>

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.textstream import TextStream, truncate_at_stop
-from llm_core.checkpoint import SPECIAL_TOKENS, train_byte_level_tokenizer
-from llm_core.presets import tiny
-from llm_core.tokenizer import StreamDecoder, Tokenizer
+from llm_core.loading.checkpoint import SPECIAL_TOKENS, train_byte_level_tokenizer
+from llm_core.model.presets import tiny
+from llm_core.model.tokenizer import StreamDecoder, Tokenizer
 
 DEMO_TOKENIZER = Path(__file__).parents[2] / "models" / "demo" / "tokenizer.json"
 _REPLACEMENT = "\ufffd"

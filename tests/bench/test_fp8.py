@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from bench.fp8 import kv_capacity_ratio, load_peak
-from llm_core.presets import tiny
+from llm_core.model.presets import tiny
 
 
 def test_an_fp8_kv_cache_fits_twice_the_requests() -> None:

@@ -13,8 +13,8 @@ from bench.prefix_cache import load_trace
 from bench.router import NodeMemory, replay_routed, router_bench
 from bench.replay_cost import AnalyticCost
 from bench.schedule_replay import ReplayConfig, replay
-from llm_core.presets import get_preset
-from llm_core.router import Router
+from llm_core.model.presets import get_preset
+from llm_core.cluster.router import Router
 
 PAGE = 64
 

@@ -12,7 +12,7 @@ from demo.model import demo_llm_config
 from llm_core import LLM
 from bench.prefix_cache import load_trace
 from bench.replay_cost import StepShape
-from llm_core.checkpoint import write_random_checkpoint
+from llm_core.loading.checkpoint import write_random_checkpoint
 
 
 def test_the_calibrated_model_grows_with_prefill_tokens_and_decode_rows() -> None:

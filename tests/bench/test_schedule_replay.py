@@ -13,7 +13,7 @@ from bench.prefix_cache import TraceRequest
 from bench.replay_cost import AnalyticCost, LinearCost, StepShape
 from bench.replay_load import calibrate_load, utilisation
 from bench.schedule_replay import ReplayConfig, replay, summarize
-from llm_core.presets import mimo_v2_5_pro
+from llm_core.model.presets import mimo_v2_5_pro
 
 COST = AnalyticCost.for_preset(mimo_v2_5_pro())
 

@@ -20,7 +20,7 @@ from bench.stack_workload import (
     shared_prefix_tokens,
 )
 from bench.registry import bench_parser
-from llm_core.config import ModelConfig
+from llm_core.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo"

@@ -10,7 +10,7 @@ import pytest
 
 from bench.structured import SCHEMA, structured_bench
 from llm_core import LLM, SamplingParams
-from llm_core.grammar import GrammarSpec
+from llm_core.sample.grammar import GrammarSpec
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 

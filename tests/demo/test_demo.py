@@ -18,8 +18,8 @@ from demo.tasks import answer_matches, make_sample
 from demo.train import train_demo
 from demo.train_config import TrainConfig, finetune_config
 from llm_core import LLM
-from llm_core.attention import attention_reference
-from llm_core.config import AttentionSpec
+from llm_core.model.attention import attention_reference
+from llm_core.model.config import AttentionSpec
 
 needs_demo_model = pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").exists(),
                                       reason="the demo model is not in this checkout")

@@ -26,8 +26,8 @@ from demo.dialogue import (
 from demo.tasks import REASONING, make_sample
 from demo.tool_spec import NO_TOOL_ANSWER, VIDEO_INFO_TOOL, VIDEO_PROPERTIES, tool_call_text
 from demo.world import TASKS
-from llm_core.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from llm_core.tokenizer import Tokenizer
+from llm_core.model.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from llm_core.model.tokenizer import Tokenizer
 
 DEMO = ChatTemplate(DEMO_CHAT_TEMPLATE)
 OLD = ChatTemplate(DEFAULT_CHAT_TEMPLATE)

@@ -19,8 +19,8 @@ from encoders.audio import (
     encoder_frames,
     load_audio_encoder,
 )
-from llm_core.config import ConfigError
-from llm_core.weights import CheckpointError
+from llm_core.model.config import ConfigError
+from llm_core.loading.weights import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 from transformers import WhisperConfig, WhisperForConditionalGeneration, WhisperModel  # noqa: E402
@@ -175,7 +175,7 @@ def mm_encoder(checkpoints) -> AudioEncoder:
 
 def test_whisper_encoder_save_layout_is_bare(checkpoints):
     # What WhisperEncoder.save_pretrained writes decides which prefix the loader needs.
-    from llm_core.weights import CheckpointReader
+    from llm_core.loading.weights import CheckpointReader
 
     with CheckpointReader(checkpoints["encoder"]) as reader:
         assert "conv1.weight" in reader and "layers.1.fc2.bias" in reader

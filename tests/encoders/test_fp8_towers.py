@@ -13,10 +13,10 @@ from safetensors.torch import save_file
 
 from api.models import write_random_multimodal
 from encoders.multimodal_checkpoint import ENCODER_SHARD, load_encoders
-from llm_core.fp8 import quantize_blockwise
-from llm_core.fp8_dequantize import write_dequantized_copy
-from llm_core.presets import tiny
-from llm_core.weights import CheckpointError
+from llm_core.model.fp8 import quantize_blockwise
+from llm_core.loading.fp8_dequantize import write_dequantized_copy
+from llm_core.model.presets import tiny
+from llm_core.loading.weights import CheckpointError
 
 
 def _rewrite_towers(model_dir: Path, edit) -> None:  # noqa: ANN001

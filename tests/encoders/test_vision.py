@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from encoders.vision import VisionEncoder, VisionEncoderConfig, VisionInput, load_vision_encoder
-from llm_core.config import ConfigError
-from llm_core.weights import CheckpointError
+from llm_core.model.config import ConfigError
+from llm_core.loading.weights import CheckpointError
 from media.vision_preprocess import VisionPreprocessConfig, preprocess_images
 
 # Tiny tower: window_size 56 is 2x2 merge units, so the grids below have full and partial

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from llm_core.paged_attention import PagedBatch
+from llm_core.kv.paged_attention import PagedBatch
 
 # (first key position, first query position, number of queries) per request.
 # Keys run from the first key position to the last query position.

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_core.checkpoint import write_random_checkpoint
+from llm_core.loading.checkpoint import write_random_checkpoint
 from llm_core.model_runner import compiled, compiled_decode_logits, decode_logits, extend_hidden
 from llm_core.llm import LLM
-from llm_core.attention_backends import DecodeAttentionBackend
-from llm_core.presets import tiny
-from llm_core.sampling import SamplingParams
+from llm_core.kv.attention_backends import DecodeAttentionBackend
+from llm_core.model.presets import tiny
+from llm_core.sample.sampling import SamplingParams
 
 PROMPTS = [list(range(20, 45)), list(range(50, 90)), list(range(100, 119))]
 

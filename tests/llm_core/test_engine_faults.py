@@ -13,7 +13,7 @@ import torch
 from llm_core import LLM, MultimodalSpan, SamplingParams
 from llm_core import step_sampler as sampler_module
 from llm_core.engine import EngineFault
-from llm_core.sampling import SamplingPlan
+from llm_core.sample.sampling import SamplingPlan
 
 PROMPTS = [list(range(10, 10 + n)) for n in (6, 45, 17, 90, 3, 30)]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

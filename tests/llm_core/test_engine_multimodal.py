@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from llm_core import LLM, MultimodalSpan, SamplingParams
-from llm_core.kv_cache import ContiguousAttention, RequestKVCache, Segment
-from llm_core.model import MiMoV2ForCausalLM
-from llm_core.multimodal import cache_token, check_spans, with_cache_tokens
+from llm_core.kv.kv_cache import ContiguousAttention, RequestKVCache, Segment
+from llm_core.model.model import MiMoV2ForCausalLM
+from llm_core.model.multimodal import cache_token, check_spans, with_cache_tokens
 from tests.conftest import REF_WINDOW
 
 HIDDEN = 64  # hf_reference_config().hidden_size

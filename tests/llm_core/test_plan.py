@@ -8,7 +8,7 @@ import json
 import pytest
 
 from llm_core.plan import Hardware, all_to_all_bytes_per_token, ep_sizes, parameter_counts, plan
-from llm_core.presets import get_preset, tiny
+from llm_core.model.presets import get_preset, tiny
 
 
 def test_parameters_split_into_routed_experts_and_the_rest() -> None:

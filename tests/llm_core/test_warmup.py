@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_core.checkpoint import write_random_checkpoint
+from llm_core.loading.checkpoint import write_random_checkpoint
 from llm_core.llm import LLM
-from llm_core.multimodal import MultimodalSpan
-from llm_core.presets import tiny
-from llm_core.sampling import SamplingParams
+from llm_core.model.multimodal import MultimodalSpan
+from llm_core.model.presets import tiny
+from llm_core.sample.sampling import SamplingParams
 from llm_core.warmup import CompileCounter
 
 

@@ -1,0 +1,1 @@
+"""Across engines: prefill/decode disaggregation, KV transports and the KV-affinity router."""

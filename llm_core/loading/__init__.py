@@ -1,0 +1,1 @@
+"""Checkpoints: reading safetensors, loading weights into the model, writing test checkpoints."""

@@ -1,0 +1,1 @@
+"""Sampling: the sampler, grammars (structured outputs) and MTP speculative decoding."""

@@ -1,0 +1,1 @@
+"""Scheduling: continuous batching with chunked prefill, the admission policies, the cache simulator."""
