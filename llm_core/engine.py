@@ -287,13 +287,14 @@ class Engine:
         """The MTP pass: every chunk's MTP rows brought up to its computed tokens,
         and drafts for the requests (ids in ``decoding``) that go on decoding."""
         assert self.drafter is not None
-        targets = []
+        targets, drafting = [], []
         for chunk in chunks:
             request = self.requests[chunk.seq.request_id]
             room = request.seq.max_tokens - len(request.seq.output) - 1  # drafts past max_tokens are never kept
             drafts = request.id in decoding and room > 0
             targets.append(DraftTarget(request.seq, request.sampling_row() if drafts else None, request.spans))
-        drafting = [self.requests[t.seq.request_id] for t in targets if t.sampling is not None]
+            if drafts:
+                drafting.append(request)
         masker = self.sampler.draft_masker(drafting)
         try:
             result = self.drafter.run(targets, masker)
