@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -158,8 +158,10 @@ class EPLeader:
     """Rank 0's side: it stands in for the engine (``LLM.core``), and the
     engine calls it makes are recorded for the followers."""
 
-    def __init__(self, ep: ExpertParallel, engine: Engine) -> None:
+    def __init__(self, ep: ExpertParallel, engine: Engine,
+                 wall_clock: Callable[[], float] = time.monotonic) -> None:
         self.ep = ep
+        self.wall_clock = wall_clock  # what ``clock`` reads, and the followers replay
         self.clock = ReplayClock()
         self.engine = engine
         self.rebind(engine)
@@ -175,7 +177,7 @@ class EPLeader:
         engine.scheduler.clock = self.clock
 
     def _tick(self) -> float:
-        self.clock.now = time.monotonic()
+        self.clock.now = self.wall_clock()
         return self.clock.now
 
     def add_request(self, prompt: list[int], params: SamplingParams, eos_ids: Sequence[int] = (),
@@ -212,7 +214,7 @@ class EPLeader:
     def step(self) -> list[TokenEvent]:
         if self.broken is not None:
             raise ExpertParallelError(f"the expert-parallel group is unusable: {self.broken}")
-        now = time.monotonic()
+        now = self.wall_clock()
         self._flush_ops(StepMessage(self._ops, now, self._last))
         self.clock.now = now
         try:
@@ -240,7 +242,7 @@ class EPLeader:
     def stop(self) -> None:
         """Followers exit (after the calls not yet sent)."""
         if self.broken is None:
-            self._flush_ops(StepMessage(self._ops, time.monotonic(), self._last, stop=True))
+            self._flush_ops(StepMessage(self._ops, self.wall_clock(), self._last, stop=True))
             self.broken = "stopped"
 
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from llm_core.engine import EngineConfig
-from llm_core.ep_engine import check_engine_config
+from llm_core.ep_engine import EPLeader, check_engine_config
 from llm_core.model.expert_parallel import ExpertParallel, owned_experts, token_range
 from llm_core.model.layers import SparseMoE
 from llm_core.llm import LLM
@@ -129,9 +129,18 @@ def _generate(llm: LLM, recorder: Recorder) -> list[list[int]]:
     return [out.token_ids for out in llm.generate(PROMPTS, params)]
 
 
+def _frozen_clock() -> float:
+    """The scheduler's clock on both sides of a comparison. Compute-aware
+    order ages waiting requests by wall time, so a group of ranks (slower
+    than one rank on 2 cores) could order a queue otherwise than one rank
+    would; with time frozen, both orders follow the tokens alone."""
+    return 0.0
+
+
 @pytest.fixture(scope="module")
 def one_rank(tiny_checkpoint: Path) -> Iterator[tuple[LLM, Recorder]]:
     llm = LLM(tiny_checkpoint, **OPTIONS)
+    llm.engine.scheduler.clock = _frozen_clock
     yield llm, Recorder(llm, routing=True)
     llm.close()
 
@@ -143,6 +152,8 @@ def ranks(request: pytest.FixtureRequest, tiny_checkpoint: Path) -> Iterator[tup
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     llm = LLM(tiny_checkpoint, ep_size=request.param, **OPTIONS)
+    assert isinstance(llm.core, EPLeader)
+    llm.core.wall_clock = _frozen_clock  # the followers replay the leader's readings
     try:
         yield llm, Recorder(llm)
     finally:
