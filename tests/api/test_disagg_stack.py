@@ -95,10 +95,27 @@ def test_aborts_during_transfer_leave_every_pool_at_capacity(stack: RunningStack
         thread.start()
     for thread in threads:
         thread.join(60)
+
+    def settled() -> bool:
+        return all(_worker_stats(stack, name)["running_requests"] == 0 for name in ("worker-0", "worker-1"))
+
+    def aborted_in_transfer() -> int:
+        return _worker_stats(stack, "worker-1")["disaggregation"]["aborted_in_transfer"]
+
+    # The clients above are gone, but on a loaded machine their aborts may still
+    # be on the way: count from when both workers are idle and the count holds.
+    _wait_until(settled, 30, "the abandoned requests to end on both workers")
+
+    def holds() -> bool:
+        before = aborted_in_transfer()
+        time.sleep(0.5)
+        return aborted_in_transfer() == before
+
+    _wait_until(holds, 30, "the count of aborts in transfer to hold")
     # One abort for certain mid-transfer: the prefill worker holds the request
     # (stopped) while the decode worker waits with its slots reserved; when
     # it goes on, the buffer it was to fill is gone.
-    aborted = _worker_stats(stack, "worker-1")["disaggregation"]["aborted_in_transfer"]
+    aborted = aborted_in_transfer()
     prefill_pid = stack.roles["worker-0"].current_pid()
     assert prefill_pid is not None
     os.kill(prefill_pid, signal.SIGSTOP)
@@ -107,11 +124,7 @@ def test_aborts_during_transfer_leave_every_pool_at_capacity(stack: RunningStack
         time.sleep(1.0)  # the API sees the client gone and aborts; the decode worker was still waiting
     finally:
         os.kill(prefill_pid, signal.SIGCONT)
-    assert _worker_stats(stack, "worker-1")["disaggregation"]["aborted_in_transfer"] == aborted + 1
-
-    def settled() -> bool:
-        return all(_worker_stats(stack, name)["running_requests"] == 0 for name in ("worker-0", "worker-1"))
-
+    assert aborted_in_transfer() == aborted + 1
     _wait_until(settled, 30, "the aborted requests to end on both workers")
     assert httpx.post(f"{stack.url}/flush_cache", timeout=60).status_code == 200
     for name in ("worker-0", "worker-1"):

@@ -157,8 +157,8 @@ def test_a_worker_killed_mid_stream_fails_only_its_streams_and_comes_back(stack:
     for thread in threads:
         thread.start()
         time.sleep(0.05)  # in order: round-robin puts one on each worker
-    for _, started in streams:
-        assert started.wait(60), "the streams did not start"
+    for events, started in streams:
+        assert started.wait(60), f"the streams did not start; one got {events[:4]}"
     victim = stack.roles["worker-0"]
     pid = victim.current_pid()
     assert pid is not None
