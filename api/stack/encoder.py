@@ -30,7 +30,7 @@ from api.metrics import ServerMetrics
 from api.runtime import embed_media, media_kinds, media_pipeline
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
-from api.stack.service import Peers, ServiceSocket, every, run_service
+from api.stack.service import ServiceSocket, run_service
 from api.stack.transport import recv_message, send
 from embedding_cache import SharedEmbeddingStore, embedding_cache_routes
 from encoders import EncoderQueueFull
@@ -73,7 +73,6 @@ class EncoderService:
             raise ValueError(f"{config.model_dir} has no media encoders: an encoder has nothing to serve")
         self.batcher, self.embedder = pipeline
         self.media_kinds = sorted(media_kinds(set(self.batcher.kinds), placeholder_token_ids(config.model_dir)))
-        self.peers = Peers()
         self._service: ServiceSocket | None = None
 
     @property
@@ -84,8 +83,7 @@ class EncoderService:
     async def serve(self, stop: asyncio.Event) -> None:
         config = self.config
         self._service = ServiceSocket(config.host, config.port, config.health_port, self._http_routes())
-        chores = [self._receive(), every(1.0, self._forget_silent_peers, "checking peers"),
-                  keep_ring_fresh(self.cache, config.embedding_peers)]
+        chores = [self._receive(), keep_ring_fresh(self.cache, config.embedding_peers)]
         log.info("encoder %s (%s) on tcp://%s:%d, store %s", config.encoder_id, ", ".join(self.media_kinds),
                  config.host, config.port, config.store_name)
         try:
@@ -101,7 +99,7 @@ class EncoderService:
         while True:
             identity, message = await recv_message(self._service.sock, with_identity=True)
             assert identity is not None
-            self.peers.seen(identity)
+            self._service.peers.seen(identity)
             if isinstance(message, m.Ping):
                 await send(self._service.sock, self._pong(message), identity)
             elif isinstance(message, m.EmbedMedia):
@@ -148,11 +146,6 @@ class EncoderService:
             return m.EmbedFailed(request.request_id, 413, f"the {request.kind}'s embedding ({size} bytes) does not "
                                  f"fit the embedding store ({self.store.capacity_bytes} bytes)")
         return m.Embedded(request.request_id, emb.key, emb.num_tokens, emb.cached)
-
-    async def _forget_silent_peers(self) -> None:
-        assert self._service is not None
-        for identity in self.peers.expired():
-            self._service.cancel_of(identity)
 
     def _http_routes(self) -> list[Route]:
         async def health(_: Request) -> Response:

@@ -71,12 +71,14 @@ class ServiceSocket:
         self.sock = bind_router(self.context, host, port, ipc_path)
         self.http = HttpSide(routes, host, health_port)
         self.held: dict[str, tuple[bytes, asyncio.Task[None]]] = {}  # request id -> (its API, its task)
+        self.peers = Peers()  # the APIs that talk to this service: each message's sender is ``seen``
 
     async def run_until(self, stop: asyncio.Event, chores: list[Coroutine[Any, Any, None]]) -> None:
         """Serve (``chores`` running beside) until ``stop``; then cancel
         everything and close the sockets."""
         await self.http.start()
-        tasks = [asyncio.create_task(chore) for chore in chores]
+        watch = every(1.0, self.forget_silent_peers, "checking peers")
+        tasks = [asyncio.create_task(chore) for chore in (*chores, watch)]
         try:
             await stop.wait()
         finally:
@@ -88,12 +90,14 @@ class ServiceSocket:
             self.sock.close()
             self.context.term()
 
-    def cancel_of(self, identity: bytes) -> int:
-        """Cancel what an API that went quiet still held; how many."""
-        lost = [task for who, task in self.held.values() if who == identity]
-        for task in lost:
-            task.cancel()
-        return len(lost)
+    def forget_silent_peers(self) -> None:
+        """Cancel what each API that went quiet still held: nobody would read it."""
+        for identity in self.peers.expired():
+            lost = [task for who, task in self.held.values() if who == identity]
+            for task in lost:
+                task.cancel()
+            if lost:
+                log.warning("an API went quiet; cancelled its %d requests", len(lost))
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

@@ -107,7 +107,6 @@ class WorkerService:
         self.store: SharedEmbeddingStore | None = None
         self.embeddings: EmbeddingCache = embedding_cache(None, config.embedding_peers, config.embedding_node)
         self._attach_store()
-        self.peers = Peers()
         self.embedding_reads = {"read": 0, "missing": 0, "bytes": 0}  # spans' rows taken from the store
         self.metrics = ServerMetrics()
         self.outbox = Outbox(self._send)
@@ -122,6 +121,11 @@ class WorkerService:
         assert self._service is not None
         return self._service.held
 
+    @property
+    def _peers(self) -> Peers:
+        assert self._service is not None
+        return self._service.peers
+
     # ----------------------------------------------------------------- life
     async def serve(self, stop: asyncio.Event) -> None:
         config = self.config
@@ -129,7 +133,6 @@ class WorkerService:
                                       config.ipc_path)
         chores = [self.engine.run_inline(), self._receive(),
                   every(EVENT_INTERVAL_S, self._publish_events, "sending KV events"),
-                  every(1.0, self._forget_silent_peers, "checking peers"),
                   keep_ring_fresh(self.embeddings, config.embedding_peers)]
         where = f"ipc://{config.ipc_path}" if config.ipc_path else f"tcp://{config.host}:{config.port}"
         log.info("worker %s serving %s on %s (health on %d)", config.worker_id, config.model_dir, where,
@@ -161,12 +164,12 @@ class WorkerService:
             await self.disaggregation.handle(identity, message)  # a decode worker, not an API: no KV events to it
             return
         if isinstance(message, m.Ping):
-            if self.peers.seen(identity):
+            if self._peers.seen(identity):
                 log.info("API %s registered", message.sender)
                 await self._send(identity, self._snapshot())
             await self._send(identity, self._pong(message))
             return
-        self.peers.seen(identity)
+        self._peers.seen(identity)
         if isinstance(message, m.Submit):
             self._start_request(identity, message)
         elif isinstance(message, m.Abort):
@@ -209,14 +212,9 @@ class WorkerService:
         if not batch.events:
             return
         message = m.KVEventsMsg.of(self.config.worker_id, self.incarnation, batch)
-        for identity in self.peers:
+        for identity in self._peers:
             # A peer that misses a batch sees the gap in the next one and asks for a snapshot.
             await self._send(identity, message)
-
-    async def _forget_silent_peers(self) -> None:
-        assert self._service is not None
-        for identity in self.peers.expired():
-            log.warning("an API went quiet; aborted its %d requests", self._service.cancel_of(identity))
 
     async def _flush(self, identity: bytes, message: m.Flush) -> None:
         engine_stats = await (self.engine.flush_cache() if message.drop else self.engine.current_stats())

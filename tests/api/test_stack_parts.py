@@ -19,6 +19,7 @@ from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed
 from api.launch import free_port
 from api.stack import messages as m
 from api.stack.frontend import RemoteEngineClient, WorkerLinks, aggregate_stats
+from api.stack.service import PEER_TIMEOUT_S, ServiceSocket
 from api.stack.links import DEAD_AFTER_S
 from api.stack.supervisor import Supervisor, _Process
 from api.stack.transport import bind_router, parse_peers, recv_message, resolve_peers, send
@@ -92,6 +93,27 @@ def test_stats_summed_over_workers() -> None:
     assert total["schedule"]["latency_buckets_s"] == [0.1, 1.0]
     assert total["schedule"]["buckets"]["0-64"]["ttft"]["counts"] == [1, 2, 4]
     assert total["swa_mode"] == "hybrid" and total["running_requests"] == 3
+
+
+def test_a_service_cancels_only_what_a_quiet_api_held(tmp_path: Path) -> None:
+    async def main() -> None:
+        service = ServiceSocket("127.0.0.1", 0, free_port(), [], str(tmp_path / "service.sock"))
+        try:
+            held = {api: asyncio.create_task(asyncio.sleep(60)) for api in (b"quiet", b"talking")}
+            service.held.update({f"r-{api.decode()}": (api, task) for api, task in held.items()})
+            service.peers.seen(b"quiet")
+            service.peers.seen(b"talking")
+            service.peers.last_seen[b"quiet"] -= PEER_TIMEOUT_S + 1
+            service.forget_silent_peers()
+            await asyncio.sleep(0)
+            assert held[b"quiet"].cancelled() and not held[b"talking"].done()
+            assert list(service.peers) == [b"talking"]
+            held[b"talking"].cancel()
+        finally:
+            service.sock.close()
+            service.context.term()
+
+    asyncio.run(main())
 
 
 def test_a_role_that_keeps_dying_waits_longer_each_time() -> None:
