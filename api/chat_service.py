@@ -15,14 +15,14 @@ from typing import Any
 from api.chat import BadRequest, ChatRequest, MediaRef, choice_request_id
 from api.chat_output import ChoiceDelta, ChoiceOutput, OutputOptions
 from api.engine_loop import EngineUnavailable, RequestFailed, StreamEvent
-from api.frontend import Frontend, MediaEmbedding
+from api.frontend import Frontend
 from api.http import error_for
 from api.metrics import ServerMetrics
 from api.output_parsers import resolve_parser
 from api.textstream import TextStream
 from llm_core import MultimodalSpan, SamplingParams
-from llm_core.model.chat import MediaPart, build_chat_prompt
-from llm_core.model.multimodal import SpanRef
+from llm_core.model.chat import build_chat_prompt
+from llm_core.model.multimodal import MediaEmbedding, SpanRef
 from media import has_audio_track
 
 __all__ = ["ChatPrompt", "ChatService", "Generation", "gather_or_cancel", "interleaved", "sse", "sse_error", "usage_of"]
@@ -55,12 +55,11 @@ class ChatService:
         if tokenizer is None:
             raise BadRequest("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
         messages, refs = await self._with_sound_tracks(request.messages, request.media)
-        embeddings = await asyncio.gather(*(self.embed(ref) for ref in refs))
-        media = [MediaPart(ref.kind, emb.tensor, emb.key, emb.rows) for ref, emb in zip(refs, embeddings)]
+        media = await asyncio.gather(*(self.embed(ref) for ref in refs))
         built = build_chat_prompt(self.model.chat_template, tokenizer, messages, media, self.model.placeholder_ids,
                                   request.template_variables)
         self.model.check_length(len(built.token_ids), request.params.max_tokens)
-        return ChatPrompt(built.token_ids, built.spans, len(embeddings), sum(emb.cached for emb in embeddings))
+        return ChatPrompt(built.token_ids, built.spans, len(media), sum(emb.cached for emb in media))
 
     async def _with_sound_tracks(
         self, messages: list[dict[str, Any]], refs: list[MediaRef]

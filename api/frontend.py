@@ -12,11 +12,8 @@ to encoder processes and requests to worker processes.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-
-import torch
 
 from api.chat import MediaRef
 from api.engine_loop import Detokenizer, StreamEvent
@@ -24,22 +21,10 @@ from api.metrics import ServerMetrics
 from api.options import ServerOptions
 from llm_core import SamplingParams
 from llm_core.model.chat import ChatTemplate
-from llm_core.model.multimodal import MultimodalSpan, SpanRef
+from llm_core.model.multimodal import MediaEmbedding, MultimodalSpan, SpanRef
 from llm_core.model.tokenizer import Tokenizer
 
-__all__ = ["Embedder", "EngineClient", "Frontend", "MediaEmbedding"]
-
-
-@dataclass(frozen=True)
-class MediaEmbedding:
-    """One media item, encoded: its content key, how many embedding rows it
-    has, and the rows themselves where they are in this process."""
-
-    kind: str
-    key: bytes
-    rows: int
-    cached: bool  # found in the embedding cache: nothing was decoded or encoded
-    tensor: torch.Tensor | None = None
+__all__ = ["Embedder", "EngineClient", "Frontend"]
 
 
 class Embedder(Protocol):

@@ -13,14 +13,14 @@ from typing import Any
 
 from api.chat import MediaRef
 from api.engine_loop import AsyncEngine
-from api.frontend import MediaEmbedding
 from api.metrics import ServerMetrics
 from api.options import ServerOptions
-from embedding_cache import Embedding, EmbeddingCache, MediaEmbedder, MediaEmbedderConfig, SharedEmbeddingStore
+from embedding_cache import EmbeddingCache, MediaEmbedder, MediaEmbedderConfig, SharedEmbeddingStore
 from encoders import BatcherConfig, EncoderBatcher
 from encoders.multimodal_checkpoint import encoder_kinds, load_encoders, placeholder_token_ids
 from llm_core import LLM
 from llm_core.model.chat import ChatTemplate
+from llm_core.model.multimodal import MediaEmbedding
 from llm_core.device import compute_dtype
 from llm_core.model.tokenizer import Tokenizer
 from media import VIDEO_PREPROCESS, MediaLimits, VisionPreprocessConfig
@@ -72,7 +72,7 @@ def media_kinds(encoder_kinds: set[str] | frozenset[str], placeholder_ids: dict[
     return frozenset(k for k in kinds if k in placeholder_ids)
 
 
-async def embed_media(embedder: MediaEmbedder, kind: str, source: bytes | Path) -> Embedding:
+async def embed_media(embedder: MediaEmbedder, kind: str, source: bytes | Path) -> MediaEmbedding:
     """One media item through the embedding cache and the encoders (images are read whole)."""
     if kind == "image":
         return await embedder.embed_image(source if isinstance(source, bytes) else source.read_bytes())
@@ -88,8 +88,7 @@ class LocalEmbedder:
         self.media = embedder
 
     async def embed(self, ref: MediaRef) -> MediaEmbedding:
-        emb = await embed_media(self.media, ref.kind, ref.path if ref.path is not None else ref.read())
-        return MediaEmbedding(emb.kind, emb.key, emb.num_tokens, emb.cached, emb.tensor)
+        return await embed_media(self.media, ref.kind, ref.path if ref.path is not None else ref.read())
 
 
 @dataclass

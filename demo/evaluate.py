@@ -46,7 +46,7 @@ from api.chat_service import ChatService
 from api.media_sniff import sniff_media_kind
 from api.uploads import StoredFile
 from llm_core import MultimodalSpan
-from llm_core.model.chat import MediaPart, expand_placeholders
+from llm_core.model.chat import expand_placeholders
 from llm_core.model.multimodal import SpanRef
 
 __all__ = ["ask", "ask_many", "eval_demo"]
@@ -98,15 +98,14 @@ async def _dialogue_prompt(
     turns and template variables (tools, thinking): the same media path and
     template, with what the request parser does not carry here."""
     messages, refs = await chat._with_sound_tracks(request.messages, request.media)
-    embeddings = await asyncio.gather(*(chat.embed(ref) for ref in refs))
-    media = [MediaPart(ref.kind, emb.tensor, emb.key, emb.rows) for ref, emb in zip(refs, embeddings)]
+    media = await asyncio.gather(*(chat.embed(ref) for ref in refs))
     text = chat.model.chat_template.render([*messages, *conv.follow_up], **conv.variables)
     tokenizer = chat.model.tokenizer
     assert tokenizer is not None
-    ids, offsets = expand_placeholders(tokenizer.encode(text), [(p.kind, p.num_rows) for p in media],
+    ids, offsets = expand_placeholders(tokenizer.encode(text), [(emb.kind, emb.rows) for emb in media],
                                        chat.model.placeholder_ids)
     chat.model.check_length(len(ids), request.params.max_tokens)
-    return ids, [p.span(offset) for offset, p in zip(offsets, media)]
+    return ids, [emb.span(offset) for offset, emb in zip(offsets, media)]
 
 
 def ask(model_dir: str | Path, question: str, files: Sequence[str | Path], max_tokens: int = 64) -> str:

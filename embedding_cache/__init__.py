@@ -10,7 +10,7 @@ decides which machine of a cluster owns a key and ``EmbeddingCache`` asks it;
 from embedding_cache.cluster import EmbeddingCache, RemoteCacheNode, embedding_cache_routes
 from embedding_cache.keys import KEY_BYTES, key_hex, media_key
 from embedding_cache.ring import ConsistentHashRing
-from embedding_cache.service import Embedding, MediaEmbedder, MediaEmbedderConfig
+from embedding_cache.service import MediaEmbedder, MediaEmbedderConfig
 from embedding_cache.store import SharedEmbeddingStore
 from embedding_cache.store_segment import DTYPE_CODES, MAX_NDIM, StoreLayoutError
 
@@ -19,7 +19,6 @@ __all__ = [
     "KEY_BYTES",
     "MAX_NDIM",
     "ConsistentHashRing",
-    "Embedding",
     "EmbeddingCache",
     "MediaEmbedder",
     "MediaEmbedderConfig",

@@ -35,6 +35,7 @@ from embedding_cache.store import SharedEmbeddingStore
 from encoders.audio import AudioInput
 from encoders.batcher import EncoderBatcher
 from encoders.vision import VisionInput
+from llm_core.model.multimodal import MediaEmbedding
 from media import (
     DEFAULT_LIMITS,
     VIDEO_PREPROCESS,
@@ -48,7 +49,7 @@ from media import (
     preprocess_video,
 )
 
-__all__ = ["Embedding", "MediaEmbedder", "MediaEmbedderConfig"]
+__all__ = ["MediaEmbedder", "MediaEmbedderConfig"]
 
 _T = TypeVar("_T")
 _HOP_LENGTH = 160  # Whisper mel hop: one feature frame per 10 ms at 16 kHz
@@ -76,18 +77,6 @@ class MediaEmbedderConfig:
         the CPU's, so its embeddings never answer for the CPU's (nor the reverse)."""
         kind = torch.device(self.preprocess_device).type
         return {} if kind == "cpu" else {"preprocess_on": kind}
-
-
-@dataclass(frozen=True)
-class Embedding:
-    kind: str  # "image" | "video" | "audio"
-    tensor: torch.Tensor  # [tokens, hidden]
-    key: bytes  # content key
-    cached: bool
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tensor.shape[0])
 
 
 @dataclass
@@ -124,7 +113,7 @@ class MediaEmbedder:
 
     # -- public -----------------------------------------------------------------
 
-    async def embed_image(self, data: bytes) -> Embedding:
+    async def embed_image(self, data: bytes) -> MediaEmbedding:
         params = {"image": self.config.image, **self.config.preprocess_params()}
         encoder = self._identity("vision")
         upload = media_key("image-upload", data, params, encoder)
@@ -139,7 +128,7 @@ class MediaEmbedder:
         item = VisionInput(batch.pixel_values, tuple(int(x) for x in batch.grid_thw[0].tolist()))
         return await self._encode_and_store("image", "vision", item, content, upload)
 
-    async def embed_video(self, source: str | os.PathLike[str] | bytes) -> Embedding:
+    async def embed_video(self, source: str | os.PathLike[str] | bytes) -> MediaEmbedding:
         """``source`` is a file path (uploads are spooled to disk) or the file's bytes."""
         if isinstance(source, bytes):
             return await self._with_temp_file(source, self.embed_video)
@@ -165,7 +154,7 @@ class MediaEmbedder:
         item = VisionInput(batch.pixel_values, tuple(int(x) for x in batch.grid_thw[0].tolist()))
         return await self._encode_and_store("video", "vision", item, content, upload)
 
-    async def embed_audio(self, source: str | os.PathLike[str] | bytes) -> Embedding:
+    async def embed_audio(self, source: str | os.PathLike[str] | bytes) -> MediaEmbedding:
         audio_encoder: Any = self.batcher.encoder("audio")
         n_mels = int(audio_encoder.config.num_mel_bins)
         chunk_seconds = audio_encoder.config.chunk_frames * _HOP_LENGTH / self.config.audio_sample_rate
@@ -220,24 +209,25 @@ class MediaEmbedder:
         if self.cache is not None:
             await self.cache.put(upload, torch.frombuffer(bytearray(content), dtype=torch.uint8))
 
-    def _hit(self, kind: str, found: tuple[bytes, torch.Tensor], *, upload: bool) -> Embedding:
+    def _hit(self, kind: str, found: tuple[bytes, torch.Tensor], *, upload: bool) -> MediaEmbedding:
         if upload:
             self.stats.upload_hits += 1
         else:
             self.stats.content_hits += 1
         self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
-        return Embedding(kind, found[1], found[0], cached=True)
+        content, tensor = found
+        return MediaEmbedding(kind, content, int(tensor.shape[0]), tensor, cached=True)
 
     async def _encode_and_store(
         self, kind: str, encoder_kind: str, item: Any, content: bytes, upload: bytes
-    ) -> Embedding:
+    ) -> MediaEmbedding:
         tensor = await self.batcher.encode(encoder_kind, item)
         self.stats.misses += 1
         self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
         if self.cache is not None:
             await self.cache.put(content, tensor.detach().cpu())
             await self._alias(upload, content)
-        return Embedding(kind, tensor, content, cached=False)
+        return MediaEmbedding(kind, content, int(tensor.shape[0]), tensor, cached=False)
 
 
 def _file_digest(path: Path) -> bytes:

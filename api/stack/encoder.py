@@ -141,11 +141,11 @@ class EncoderService:
             return m.EmbedFailed(request.request_id, 400, "a media item needs a path or its bytes, not both")
         source = Path(request.path) if request.path is not None else request.data
         emb = await embed_media(self.embedder, request.kind, source)  # type: ignore[arg-type]
-        if emb.key not in self.store and self.cache.ring is None:
+        if emb.key not in self.store and self.cache.ring is None and emb.tensor is not None:
             size = emb.tensor.numel() * emb.tensor.element_size()
             return m.EmbedFailed(request.request_id, 413, f"the {request.kind}'s embedding ({size} bytes) does not "
                                  f"fit the embedding store ({self.store.capacity_bytes} bytes)")
-        return m.Embedded(request.request_id, emb.key, emb.num_tokens, emb.cached)
+        return m.Embedded(request.request_id, emb.key, emb.rows, emb.cached)
 
     def _http_routes(self) -> list[Route]:
         async def health(_: Request) -> Response:

@@ -22,7 +22,6 @@ from typing import Any
 
 from api.chat import MediaRef
 from api.engine_loop import Detokenizer, EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
-from api.frontend import MediaEmbedding
 from api.metrics import ServerMetrics
 from api.options import ServerOptions
 from api.runtime import media_kinds
@@ -33,7 +32,7 @@ from encoders.multimodal_checkpoint import encoder_kinds, placeholder_token_ids
 from llm_core import ModelConfig, MultimodalSpan, SamplingParams
 from llm_core.model.chat import ChatTemplate
 from llm_core.llm import check_context_length, encode_prompt
-from llm_core.model.multimodal import SpanRef, with_cache_tokens
+from llm_core.model.multimodal import MediaEmbedding, SpanRef, with_cache_tokens
 from llm_core.kv.page_address import CacheGeometry
 from llm_core.cluster.router import DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_LOAD_RATIO, NoWorkers, Router
 from llm_core.model.tokenizer import Tokenizer
@@ -387,7 +386,7 @@ class RemoteEmbedder:
             raise MediaError(answer.message, answer.status)
         if not isinstance(answer, m.Embedded):
             raise RequestFailed(f"unexpected answer from the encoder: {type(answer).__name__}")
-        return MediaEmbedding(ref.kind, answer.key, answer.rows, answer.cached)
+        return MediaEmbedding(ref.kind, answer.key, answer.rows, cached=answer.cached)  # the rows stay in the store
 
 
 # ----------------------------------------------------------------- frontend

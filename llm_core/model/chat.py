@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from llm_core.model.multimodal import MultimodalSpan, SpanRef
+from llm_core.model.multimodal import MediaEmbedding, MultimodalSpan, SpanRef
 from llm_core.model.tokenizer import Tokenizer
 
 __all__ = [
@@ -29,7 +28,6 @@ __all__ = [
     "MULTIMODAL_SPECIAL_TOKENS",
     "ChatPrompt",
     "ChatTemplate",
-    "MediaPart",
     "build_chat_prompt",
     "expand_placeholders",
 ]
@@ -106,41 +104,16 @@ class ChatTemplate:
 
 
 @dataclass(frozen=True)
-class MediaPart:
-    """A media content part once encoded: its kind, embedding rows and content
-    key -- or, where the rows stay in an embedding store (the stack's API
-    process), only how many there are."""
-
-    kind: str  # "image" | "video" | "audio"
-    embeddings: torch.Tensor | None  # [rows, hidden]
-    key: bytes
-    rows: int | None = None  # without embeddings
-
-    @property
-    def num_rows(self) -> int:
-        if self.embeddings is not None:
-            return int(self.embeddings.shape[0])
-        if self.rows is None:
-            raise ValueError("a media part needs its embeddings or its number of rows")
-        return self.rows
-
-    def span(self, offset: int) -> MultimodalSpan | SpanRef:
-        if self.embeddings is None:
-            return SpanRef(offset, self.num_rows, self.key)
-        return MultimodalSpan(offset, self.embeddings, self.key)
-
-
-@dataclass(frozen=True)
 class ChatPrompt:
     token_ids: list[int]
-    spans: list[MultimodalSpan | SpanRef]  # SpanRef for parts given without embeddings
+    spans: list[MultimodalSpan | SpanRef]  # SpanRef for media given without their rows
 
 
 def build_chat_prompt(
     template: ChatTemplate,
     tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
-    media: Sequence[MediaPart],
+    media: Sequence[MediaEmbedding],
     placeholder_ids: Mapping[str, int],
     variables: Mapping[str, Any] | None = None,
 ) -> ChatPrompt:
@@ -152,8 +125,8 @@ def build_chat_prompt(
     template reads (``tools``, ``enable_thinking``).
     """
     ids = tokenizer.encode(template.render(messages, **(variables or {})))
-    out, offsets = expand_placeholders(ids, [(p.kind, p.num_rows) for p in media], placeholder_ids)
-    return ChatPrompt(out, [p.span(offset) for offset, p in zip(offsets, media)])
+    out, offsets = expand_placeholders(ids, [(m.kind, m.rows) for m in media], placeholder_ids)
+    return ChatPrompt(out, [m.span(offset) for offset, m in zip(offsets, media)])
 
 
 def expand_placeholders(

@@ -46,6 +46,38 @@ class SpanRef:
         return self.offset + self.length
 
 
+@dataclass(frozen=True)
+class MediaEmbedding:
+    """One media item, encoded: the one record that travels from the encoders
+    (through the embedding cache, and between the stack's processes) to the
+    chat prompt and the engine, so no layer re-wraps the same four facts.
+
+    ``tensor`` is None where the rows stay in an embedding store (the stack's
+    API process sees only the key and the row count); the engine then reads
+    them by ``key``. ``rows`` is always given, so a prompt can be laid out
+    without the rows at hand.
+    """
+
+    kind: str  # "image" | "video" | "audio"
+    key: bytes  # content key: equal keys <=> equal embeddings
+    rows: int  # placeholder positions the item takes in the prompt
+    tensor: torch.Tensor | None = None  # [rows, hidden]
+    cached: bool = False  # found in the embedding cache: nothing was decoded or encoded
+
+    def __post_init__(self) -> None:
+        # A row count that disagrees with the tensor would lay the prompt out
+        # for one length and feed another: refuse it here, where it is made.
+        if self.tensor is not None and (self.tensor.ndim == 0 or int(self.tensor.shape[0]) != self.rows):
+            raise ValueError(f"a {self.kind} embedding of {self.rows} rows was given a tensor of shape "
+                             f"{tuple(self.tensor.shape)}")
+
+    def span(self, offset: int) -> MultimodalSpan | SpanRef:
+        """Where its rows go in a prompt: by value where it has them, else by key."""
+        if self.tensor is None:
+            return SpanRef(offset, self.rows, self.key)
+        return MultimodalSpan(offset, self.tensor, self.key)
+
+
 def cache_token(key: bytes) -> int:
     """The id standing for a span's positions in prefix-cache keys.
 

@@ -113,7 +113,7 @@ def test_video_and_audio_round_trip(store: SharedEmbeddingStore, tmp_path: Path)
         # 0.7 s = 70 mel frames of 10 ms
         silence = torch.zeros(1, AUDIO.num_mel_bins, AUDIO.chunk_frames)
         expected = batcher.encoder("audio").num_tokens(AudioInput(silence, 70))
-        assert a1.num_tokens == expected
+        assert a1.rows == expected
         await batcher.aclose()
         embedder.close()
 

@@ -14,11 +14,10 @@ from llm_core.model.chat import (
     MULTIMODAL_SPECIAL_TOKENS,
     ChatTemplate,
     ChatTemplateError,
-    MediaPart,
     build_chat_prompt,
 )
 from llm_core.loading.checkpoint import SPECIAL_TOKENS, train_byte_level_tokenizer
-
+from llm_core.model.multimodal import MediaEmbedding, SpanRef
 from llm_core.model.tokenizer import Tokenizer
 
 
@@ -49,9 +48,8 @@ def test_default_template_renders_chatml_with_media_markers() -> None:
 def test_placeholders_expand_to_embedding_rows(tokenizer: Tokenizer) -> None:
     image, video = torch.randn(5, 8), torch.randn(3, 8)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "video"}]}]
-    prompt = build_chat_prompt(ChatTemplate(DEFAULT_CHAT_TEMPLATE), tokenizer, messages,
-                               [MediaPart("image", image, b"i" * 32), MediaPart("video", video, b"v" * 32)],
-                               _ids(tokenizer))
+    media = [MediaEmbedding("image", b"i" * 32, 5, image), MediaEmbedding("video", b"v" * 32, 3, video)]
+    prompt = build_chat_prompt(ChatTemplate(DEFAULT_CHAT_TEMPLATE), tokenizer, messages, media, _ids(tokenizer))
     ids = _ids(tokenizer)
     assert [s.length for s in prompt.spans] == [5, 3]
     for span, kind in zip(prompt.spans, ("image", "video")):
@@ -63,6 +61,21 @@ def test_placeholders_expand_to_embedding_rows(tokenizer: Tokenizer) -> None:
     assert tokenizer.decode(prompt.token_ids) == "user\nand\nassistant\n"
 
 
+def test_media_without_rows_become_span_refs(tokenizer: Tokenizer) -> None:
+    # The stack's API process knows only each item's key and row count.
+    messages = [{"role": "user", "content": [{"type": "audio"}]}]
+    prompt = build_chat_prompt(ChatTemplate(DEFAULT_CHAT_TEMPLATE), tokenizer, messages,
+                               [MediaEmbedding("audio", b"a" * 32, 4, cached=True)], _ids(tokenizer))
+    (span,) = prompt.spans
+    assert isinstance(span, SpanRef) and span.length == 4 and span.key == b"a" * 32
+    assert prompt.token_ids[span.offset : span.end] == [_ids(tokenizer)["audio"]] * 4
+
+
+def test_media_embedding_rows_must_match_its_tensor() -> None:
+    with pytest.raises(ValueError, match="3 rows was given a tensor of shape \\(2, 4\\)"):
+        MediaEmbedding("image", b"k", 3, torch.zeros(2, 4))
+
+
 def test_media_and_placeholders_must_agree(tokenizer: Tokenizer) -> None:
     template = ChatTemplate(DEFAULT_CHAT_TEMPLATE)
     one_image = [{"role": "user", "content": [{"type": "image"}]}]
@@ -70,9 +83,9 @@ def test_media_and_placeholders_must_agree(tokenizer: Tokenizer) -> None:
         build_chat_prompt(template, tokenizer, one_image, [], _ids(tokenizer))
     with pytest.raises(ChatTemplateError, match="placed 0 of 1"):
         build_chat_prompt(template, tokenizer, [{"role": "user", "content": "hi"}],
-                          [MediaPart("image", torch.zeros(2, 4), b"k")], _ids(tokenizer))
+                          [MediaEmbedding("image", b"k", 2, torch.zeros(2, 4))], _ids(tokenizer))
     with pytest.raises(ChatTemplateError, match="met a audio part"):
-        build_chat_prompt(template, tokenizer, one_image, [MediaPart("audio", torch.zeros(2, 4), b"k")],
+        build_chat_prompt(template, tokenizer, one_image, [MediaEmbedding("audio", b"k", 2, torch.zeros(2, 4))],
                           _ids(tokenizer))
 
 
