@@ -21,11 +21,12 @@ from api.metrics import ServerMetrics
 from api.output_parsers import resolve_parser
 from api.textstream import TextStream
 from llm_core import MultimodalSpan, SamplingParams
-from llm_core.model.chat import build_chat_prompt
+from llm_core.model.chat import ChatPrompt, build_chat_prompt
 from llm_core.model.multimodal import MediaEmbedding, SpanRef
 from media import has_audio_track
 
-__all__ = ["ChatPrompt", "ChatService", "Generation", "gather_or_cancel", "interleaved", "sse", "sse_error", "usage_of"]
+__all__ = ["ChatService", "Generation", "gather_or_cancel", "interleaved", "media_cache_headers", "sse", "sse_error",
+           "usage_of"]
 
 
 class ChatService:
@@ -59,7 +60,7 @@ class ChatService:
         built = build_chat_prompt(self.model.chat_template, tokenizer, messages, media, self.model.placeholder_ids,
                                   request.template_variables)
         self.model.check_length(len(built.token_ids), request.params.max_tokens)
-        return ChatPrompt(built.token_ids, built.spans, len(media), sum(emb.cached for emb in media))
+        return built
 
     async def _with_sound_tracks(
         self, messages: list[dict[str, Any]], refs: list[MediaRef]
@@ -224,20 +225,6 @@ class ChatService:
 
 
 @dataclass(frozen=True)
-class ChatPrompt:
-    """A chat request's prompt, and how many of its media embeddings the embedding cache had."""
-
-    token_ids: list[int]
-    spans: list[MultimodalSpan | SpanRef]
-    media_items: int
-    media_cached: int
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"x-swallow-media-cache": f"hits={self.media_cached}; items={self.media_items}"}
-
-
-@dataclass(frozen=True)
 class Generation:
     """A request the engine has admitted: its token stream and when it was sent."""
 
@@ -292,6 +279,13 @@ def _chat_usage(prompt_tokens: int, outputs: list[ChoiceOutput]) -> dict[str, An
     return usage_of(prompt_tokens, sum(o.num_tokens for o in outputs)) | {
         "prompt_tokens_details": {"cached_tokens": cached or 0},
     }
+
+
+def media_cache_headers(prompt: ChatPrompt) -> dict[str, str]:
+    """How many of the prompt's media the embedding cache had: a client can
+    tell a repeated upload was not encoded again."""
+    hits = sum(emb.cached for emb in prompt.media)
+    return {"x-swallow-media-cache": f"hits={hits}; items={len(prompt.media)}"}
 
 
 async def _false() -> bool:

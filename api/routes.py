@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from api.chat import BadRequest, parse_chat_request, parse_json_body
-from api.chat_service import ChatService
+from api.chat_service import ChatService, media_cache_headers
 from api.completion_service import CompletionService
 from api.frontend import Frontend
 from api.http import JSON_BODY_LIMIT, error_response, guarded, read_json, until_disconnected
@@ -97,7 +97,7 @@ class CompletionRoutes:
             if form is not None:
                 form.cleanup()  # embedded: the spooled media are no longer needed
             gens = await until_disconnected(request, chat.open_choices(parsed, built.token_ids, built.spans))
-            headers = gens[0].headers | built.headers | {"x-request-id": parsed.request_id}
+            headers = gens[0].headers | media_cache_headers(built) | {"x-request-id": parsed.request_id}
             if parsed.stream:
                 return StreamingResponse(chat.stream(parsed, gens), media_type="text/event-stream", headers=headers)
             return JSONResponse(await until_disconnected(request, chat.complete(parsed, gens)), headers=headers)

@@ -107,6 +107,8 @@ class ChatTemplate:
 class ChatPrompt:
     token_ids: list[int]
     spans: list[MultimodalSpan | SpanRef]  # SpanRef for media given without their rows
+    # What it was built from: the server reports from these how many the embedding cache had.
+    media: list[MediaEmbedding] = field(default_factory=list)
 
 
 def build_chat_prompt(
@@ -126,7 +128,7 @@ def build_chat_prompt(
     """
     ids = tokenizer.encode(template.render(messages, **(variables or {})))
     out, offsets = expand_placeholders(ids, [(m.kind, m.rows) for m in media], placeholder_ids)
-    return ChatPrompt(out, [m.span(offset) for offset, m in zip(offsets, media)])
+    return ChatPrompt(out, [m.span(offset) for offset, m in zip(offsets, media)], list(media))
 
 
 def expand_placeholders(

@@ -59,6 +59,7 @@ def test_placeholders_expand_to_embedding_rows(tokenizer: Tokenizer) -> None:
     assert torch.equal(prompt.spans[1].embeddings, video) and prompt.spans[0].key == b"i" * 32
     # Text around the media is tokenised as usual.
     assert tokenizer.decode(prompt.token_ids) == "user\nand\nassistant\n"
+    assert [m.key for m in prompt.media] == [b"i" * 32, b"v" * 32]
 
 
 def test_media_without_rows_become_span_refs(tokenizer: Tokenizer) -> None:
