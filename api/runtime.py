@@ -25,7 +25,7 @@ from llm_core.device import compute_dtype
 from llm_core.model.tokenizer import Tokenizer
 from media import VIDEO_PREPROCESS, MediaLimits, VisionPreprocessConfig
 
-__all__ = ["LocalEmbedder", "LocalMedia", "ServingModel", "build_media", "embed_media", "media_config",
+__all__ = ["LocalEmbedder", "LocalMedia", "ServingModel", "build_media", "media_config",
            "media_kinds"]
 
 
@@ -72,15 +72,6 @@ def media_kinds(encoder_kinds: set[str] | frozenset[str], placeholder_ids: dict[
     return frozenset(k for k in kinds if k in placeholder_ids)
 
 
-async def embed_media(embedder: MediaEmbedder, kind: str, source: bytes | Path) -> MediaEmbedding:
-    """One media item through the embedding cache and the encoders (images are read whole)."""
-    if kind == "image":
-        return await embedder.embed_image(source if isinstance(source, bytes) else source.read_bytes())
-    if kind == "video":
-        return await embedder.embed_video(source)
-    return await embedder.embed_audio(source)
-
-
 class LocalEmbedder:
     """Media embedded in this process; the rows stay here too."""
 
@@ -88,7 +79,7 @@ class LocalEmbedder:
         self.media = embedder
 
     async def embed(self, ref: MediaRef) -> MediaEmbedding:
-        return await embed_media(self.media, ref.kind, ref.path if ref.path is not None else ref.read())
+        return await self.media.embed(ref.kind, ref.path if ref.path is not None else ref.read())
 
 
 @dataclass

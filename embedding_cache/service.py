@@ -113,6 +113,18 @@ class MediaEmbedder:
 
     # -- public -----------------------------------------------------------------
 
+    async def embed(self, kind: str, source: str | os.PathLike[str] | bytes) -> MediaEmbedding:
+        """One media item of ``kind`` ("image", "video" or "audio"), from a file
+        path or its bytes: the one place a kind picks its decoding, keys and
+        encoder (images are read whole)."""
+        if kind == "image":
+            return await self.embed_image(source if isinstance(source, bytes) else Path(source).read_bytes())
+        if kind == "video":
+            return await self.embed_video(source)
+        if kind == "audio":
+            return await self.embed_audio(source)
+        raise ValueError(f"unknown media kind {kind!r}: image, video or audio")
+
     async def embed_image(self, data: bytes) -> MediaEmbedding:
         params = {"image": self.config.image, **self.config.preprocess_params()}
         encoder = self._identity("vision")

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api.metrics import ServerMetrics
-from api.runtime import embed_media, media_kinds, media_pipeline
+from api.runtime import media_kinds, media_pipeline
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
 from api.stack.service import ServiceSocket, run_service
@@ -140,7 +140,7 @@ class EncoderService:
         if (request.path is None) == (request.data is None):
             return m.EmbedFailed(request.request_id, 400, "a media item needs a path or its bytes, not both")
         source = Path(request.path) if request.path is not None else request.data
-        emb = await embed_media(self.embedder, request.kind, source)  # type: ignore[arg-type]
+        emb = await self.embedder.embed(request.kind, source)  # type: ignore[arg-type]
         if emb.key not in self.store and self.cache.ring is None and emb.tensor is not None:
             size = emb.tensor.numel() * emb.tensor.element_size()
             return m.EmbedFailed(request.request_id, 413, f"the {request.kind}'s embedding ({size} bytes) does not "

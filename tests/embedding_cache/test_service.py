@@ -85,9 +85,11 @@ def test_hit_bypasses_preprocessing_and_encoder(store: SharedEmbeddingStore) -> 
         third = await embedder.embed_image(recompressed)
         assert third.cached and torch.equal(third.tensor, first.tensor)
         assert embedder.stats.content_hits == 1 and _forwards(batcher) == 1
-        # ...and that file's bytes are now an alias too.
-        await embedder.embed_image(recompressed)
+        # ...and that file's bytes are now an alias too (by kind, as the API and the encoder ask).
+        assert (await embedder.embed("image", recompressed)).cached
         assert embedder.stats.upload_hits == 2
+        with pytest.raises(ValueError, match="unknown media kind 'pdf'"):
+            await embedder.embed("pdf", recompressed)
         # Other preprocessing parameters are another key.
         other = MediaEmbedder(batcher, store, MediaEmbedderConfig(image=VisionPreprocessConfig(min_pixels=112 * 112)))
         assert not (await other.embed_image(_png(1))).cached
