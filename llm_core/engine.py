@@ -29,7 +29,7 @@ from llm_core.model.model import MiMoV2ForCausalLM
 from llm_core.model_runner import ModelRunner, compiled
 from llm_core.model.multimodal import MultimodalSpan, check_spans, with_cache_tokens
 from llm_core.kv.prefix_cache_records import CacheLock, CacheStats
-from llm_core.request import Request, TokenEvent
+from llm_core.request import Request, TokenEvent, check_prompt_ids
 from llm_core.sample.sampling import SamplingParams, TokenCounts, request_seed
 from llm_core.sched.schedule_policy import LengthBuckets
 from llm_core.sched.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
@@ -129,6 +129,7 @@ class Engine:
     def _new_request(self, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...],
                      mm_spans: SequenceOf[MultimodalSpan], seed: int, view: SequenceView) -> Request:
         check_spans(mm_spans, len(prompt), self.model.config.hidden_size)
+        check_prompt_ids(prompt, self.model.config.vocab_size)
         params.check_vocabulary(self.model.config.vocab_size)
         self.check_fits(len(prompt), params.max_tokens)
         matcher = self._grammar_matcher(params)

@@ -14,6 +14,7 @@ from llm_core.device import compute_dtype
 from llm_core.cluster.disagg import KVReservation, PrefilledKV
 from llm_core.sample.grammar import GrammarCompiler
 from llm_core.engine import Engine, EngineConfig, TokenEvent
+from llm_core.request import check_prompt_ids
 from llm_core.ep_engine import EPLeader, LocalGroup, check_engine_config, handshake, launch_local_group
 from llm_core.model.expert_parallel import ExpertParallel, ExpertParallelError
 from llm_core.kv.kv_events import KVEventLog
@@ -258,9 +259,7 @@ def encode_prompt(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int, 
         ids = [int(t) for t in prompt]
     if not ids:
         raise ValueError("prompt is empty")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    check_prompt_ids(ids, vocab_size)
     return ids
 
 

@@ -18,7 +18,15 @@ from llm_core.model.multimodal import MultimodalSpan
 from llm_core.sample.sampling import SamplingParams, SamplingRow
 from llm_core.sched.scheduler import Sequence
 
-__all__ = ["Request", "TokenEvent"]
+__all__ = ["Request", "TokenEvent", "check_prompt_ids"]
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    """Refuse a prompt naming ids the model has no embedding for: caught
+    here, it is a clear error at admission, not a failed step."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(frozen=True)

@@ -119,3 +119,12 @@ def test_token_parameters_are_checked_against_the_vocabulary(tiny_checkpoint: Pa
     with pytest.raises(ValueError, match=match):
         llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4, **kwargs))
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("bad_id", [-1, 10**6])
+def test_prompt_ids_outside_the_vocabulary_are_refused_at_admission(tiny_checkpoint: Path, bad_id: int) -> None:
+    """Not a step that fails later on an embedding lookup: the add itself is refused."""
+    llm = LLM(tiny_checkpoint)
+    with pytest.raises(ValueError, match=rf"prompt token ids \[{bad_id}\] are outside the vocabulary"):
+        llm.add_request([*PROMPTS[0], bad_id], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished() and _at_capacity(llm)
