@@ -141,7 +141,8 @@ class EncoderService:
             return m.EmbedFailed(request.request_id, 400, "a media item needs a path or its bytes, not both")
         source = Path(request.path) if request.path is not None else request.data
         emb = await self.embedder.embed(request.kind, source)  # type: ignore[arg-type]
-        if emb.key not in self.store and self.cache.ring is None and emb.tensor is not None:
+        assert emb.tensor is not None  # an embedder returns the rows it made or found
+        if emb.key not in self.store and self.cache.ring is None:
             size = emb.tensor.numel() * emb.tensor.element_size()
             return m.EmbedFailed(request.request_id, 413, f"the {request.kind}'s embedding ({size} bytes) does not "
                                  f"fit the embedding store ({self.store.capacity_bytes} bytes)")
