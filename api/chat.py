@@ -95,6 +95,9 @@ class MediaRef:
     kind: str  # "image" | "video" | "audio"
     data: bytes | None = None
     path: Path | None = None
+    # The file's ``file_digest`` when it is known already: a clip with a sound
+    # track is two items of one file, hashed once.
+    digest: bytes | None = None
 
     def read(self) -> bytes:
         if self.data is not None:

@@ -23,10 +23,11 @@ from api.textstream import TextStream
 from llm_core import MultimodalSpan, SamplingParams
 from llm_core.model.chat import ChatPrompt, build_chat_prompt
 from llm_core.model.multimodal import MediaEmbedding, SpanRef
+from embedding_cache.keys import file_digest
 from media import has_audio_track
 
 __all__ = ["ChatService", "Generation", "gather_or_cancel", "interleaved", "media_cache_headers", "sse", "sse_error",
-           "usage_of"]
+           "usage_of", "with_sound_tracks"]
 
 
 class ChatService:
@@ -51,51 +52,24 @@ class ChatService:
         built = await self.built_prompt(request)
         return built.token_ids, built.spans
 
+    async def embedded_media(
+        self, messages: list[dict[str, Any]], refs: list[MediaRef]
+    ) -> tuple[list[dict[str, Any]], list[MediaEmbedding]]:
+        """The messages (a clip's sound track added as a part of its own, when
+        the model hears) and their media items, embedded."""
+        if "audio" in self.model.media_kinds:
+            messages, refs = await with_sound_tracks(messages, refs)
+        return messages, list(await asyncio.gather(*(self.embed(ref) for ref in refs)))
+
     async def built_prompt(self, request: ChatRequest) -> ChatPrompt:
         tokenizer = self.model.tokenizer
         if tokenizer is None:
             raise BadRequest("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
-        messages, refs = await self._with_sound_tracks(request.messages, request.media)
-        media = await asyncio.gather(*(self.embed(ref) for ref in refs))
+        messages, media = await self.embedded_media(request.messages, request.media)
         built = build_chat_prompt(self.model.chat_template, tokenizer, messages, media, self.model.placeholder_ids,
                                   request.template_variables)
         self.model.check_length(len(built.token_ids), request.params.max_tokens)
         return built
-
-    async def _with_sound_tracks(
-        self, messages: list[dict[str, Any]], refs: list[MediaRef]
-    ) -> tuple[list[dict[str, Any]], list[MediaRef]]:
-        """A video with a sound track is heard too, when the model takes audio: its
-        track becomes an audio part right after the video part."""
-        if "audio" not in self.model.media_kinds or not any(r.kind == "video" for r in refs):
-            return messages, refs
-        loop = asyncio.get_running_loop()
-        tracks = await asyncio.gather(*(
-            loop.run_in_executor(None, has_audio_track, r.path if r.path is not None else r.read())
-            if r.kind == "video" else _false() for r in refs
-        ))
-        if not any(tracks):
-            return messages, refs
-        pending = iter(zip(refs, tracks))
-        out_refs: list[MediaRef] = []
-        out_messages = []
-        for message in messages:
-            content = message["content"]
-            if isinstance(content, str):
-                out_messages.append(message)
-                continue
-            parts: list[dict[str, Any]] = []
-            for part in content:
-                parts.append(part)
-                if part["type"] == "text":
-                    continue
-                ref, has_track = next(pending)
-                out_refs.append(ref)
-                if has_track:
-                    parts.append({"type": "audio"})
-                    out_refs.append(MediaRef("audio", data=ref.data, path=ref.path))
-            out_messages.append({**message, "content": parts})
-        return out_messages, out_refs
 
     async def open(
         self, prompt_ids: list[int], params: SamplingParams, spans: list[MultimodalSpan | SpanRef],
@@ -288,8 +262,54 @@ def media_cache_headers(prompt: ChatPrompt) -> dict[str, str]:
     return {"x-swallow-media-cache": f"hits={hits}; items={len(prompt.media)}"}
 
 
-async def _false() -> bool:
-    return False
+async def with_sound_tracks(
+    messages: list[dict[str, Any]], refs: list[MediaRef]
+) -> tuple[list[dict[str, Any]], list[MediaRef]]:
+    """A video with a sound track is heard too (for a model that takes audio): its
+    track becomes an audio part right after the video part, and both items
+    carry the file's digest, so its bytes are hashed once."""
+    if not any(r.kind == "video" for r in refs):
+        return messages, refs
+    loop = asyncio.get_running_loop()
+    tracks = await asyncio.gather(*(
+        loop.run_in_executor(None, _sound_track_digest, r) if r.kind == "video" else _none() for r in refs
+    ))
+    if not any(tracks):
+        return messages, refs
+    pending = iter(zip(refs, tracks))
+    out_refs: list[MediaRef] = []
+    out_messages = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            out_messages.append(message)
+            continue
+        parts: list[dict[str, Any]] = []
+        for part in content:
+            parts.append(part)
+            if part["type"] == "text":
+                continue
+            ref, digest = next(pending)
+            if digest is None:
+                out_refs.append(ref)
+                continue
+            parts.append({"type": "audio"})
+            out_refs += [replace(ref, digest=digest), MediaRef("audio", data=ref.data, path=ref.path, digest=digest)]
+        out_messages.append({**message, "content": parts})
+    return out_messages, out_refs
+
+
+async def _none() -> None:
+    return None
+
+
+def _sound_track_digest(ref: MediaRef) -> bytes | None:
+    """The clip's ``file_digest`` when it has a sound track (both of its items
+    are then keyed by it), else None."""
+    source = ref.path if ref.path is not None else ref.read()
+    if not has_audio_track(source):
+        return None
+    return ref.digest if ref.digest is not None else file_digest(source)
 
 
 def sse_error(exc: RequestFailed | EngineUnavailable) -> str:

@@ -79,7 +79,7 @@ class LocalEmbedder:
         self.media = embedder
 
     async def embed(self, ref: MediaRef) -> MediaEmbedding:
-        return await self.media.embed(ref.kind, ref.path if ref.path is not None else ref.read())
+        return await self.media.embed(ref.kind, ref.path if ref.path is not None else ref.read(), ref.digest)
 
 
 @dataclass

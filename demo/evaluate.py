@@ -97,8 +97,7 @@ async def _dialogue_prompt(
     """``ChatService.prompt`` for the user's turn plus the conversation's follow-up
     turns and template variables (tools, thinking): the same media path and
     template, with what the request parser does not carry here."""
-    messages, refs = await chat._with_sound_tracks(request.messages, request.media)
-    media = await asyncio.gather(*(chat.embed(ref) for ref in refs))
+    messages, media = await chat.embedded_media(request.messages, request.media)
     text = chat.model.chat_template.render([*messages, *conv.follow_up], **conv.variables)
     tokenizer = chat.model.tokenizer
     assert tokenizer is not None

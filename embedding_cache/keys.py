@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
 import torch
 
-__all__ = ["KEY_BYTES", "ContentPart", "key_hex", "media_key"]
+__all__ = ["KEY_BYTES", "ContentPart", "file_digest", "key_hex", "media_key"]
 
 KEY_BYTES = 32
 
@@ -33,6 +34,21 @@ _PERSONALISATION = b"swallow-mkey-v1"
 ContentPart: TypeAlias = bytes | bytearray | memoryview | torch.Tensor
 
 _LENGTH_BYTES = 8
+_FILE_HASH_CHUNK = 1 << 20
+
+
+def file_digest(source: str | os.PathLike[str] | bytes) -> bytes:
+    """The 32-byte digest of a media file's bytes (a path is read in chunks):
+    what upload keys are made from. A clip that is both seen and heard is
+    hashed once and its digest handed to both lookups."""
+    digest = hashlib.blake2b(digest_size=KEY_BYTES)
+    if isinstance(source, bytes):
+        digest.update(source)
+        return digest.digest()
+    with open(source, "rb") as f:
+        while chunk := f.read(_FILE_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.digest()
 
 
 def media_key(

@@ -17,7 +17,6 @@ share one stored embedding.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import os
 import tempfile
@@ -30,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from embedding_cache.cluster import EmbeddingCache
-from embedding_cache.keys import KEY_BYTES, media_key
+from embedding_cache.keys import KEY_BYTES, file_digest, media_key
 from embedding_cache.store import SharedEmbeddingStore
 from encoders.audio import AudioInput
 from encoders.batcher import EncoderBatcher
@@ -53,7 +52,6 @@ __all__ = ["MediaEmbedder", "MediaEmbedderConfig"]
 
 _T = TypeVar("_T")
 _HOP_LENGTH = 160  # Whisper mel hop: one feature frame per 10 ms at 16 kHz
-_FILE_HASH_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -113,22 +111,24 @@ class MediaEmbedder:
 
     # -- public -----------------------------------------------------------------
 
-    async def embed(self, kind: str, source: str | os.PathLike[str] | bytes) -> MediaEmbedding:
+    async def embed(self, kind: str, source: str | os.PathLike[str] | bytes,
+                    digest: bytes | None = None) -> MediaEmbedding:
         """One media item of ``kind`` ("image", "video" or "audio"), from a file
         path or its bytes: the one place a kind picks its decoding, keys and
-        encoder (images are read whole)."""
+        encoder (images are read whole). ``digest`` is the source's
+        ``file_digest`` when the caller has it already (a clip seen and heard)."""
         if kind == "image":
-            return await self.embed_image(source if isinstance(source, bytes) else Path(source).read_bytes())
+            return await self.embed_image(source if isinstance(source, bytes) else Path(source).read_bytes(), digest)
         if kind == "video":
-            return await self.embed_video(source)
+            return await self.embed_video(source, digest)
         if kind == "audio":
-            return await self.embed_audio(source)
+            return await self.embed_audio(source, digest)
         raise ValueError(f"unknown media kind {kind!r}: image, video or audio")
 
-    async def embed_image(self, data: bytes) -> MediaEmbedding:
+    async def embed_image(self, data: bytes, digest: bytes | None = None) -> MediaEmbedding:
         params = {"image": self.config.image, **self.config.preprocess_params()}
         encoder = self._identity("vision")
-        upload = media_key("image-upload", data, params, encoder)
+        upload = await self._upload_key("image", data, digest, params, encoder)
         if (hit := await self._lookup_upload(upload)) is not None:
             return self._hit("image", hit, upload=True)
         image = await self._run(load_image, data, limits=self.config.limits)
@@ -140,15 +140,16 @@ class MediaEmbedder:
         item = VisionInput(batch.pixel_values, tuple(int(x) for x in batch.grid_thw[0].tolist()))
         return await self._encode_and_store("image", "vision", item, content, upload)
 
-    async def embed_video(self, source: str | os.PathLike[str] | bytes) -> MediaEmbedding:
+    async def embed_video(self, source: str | os.PathLike[str] | bytes,
+                          digest: bytes | None = None) -> MediaEmbedding:
         """``source`` is a file path (uploads are spooled to disk) or the file's bytes."""
         if isinstance(source, bytes):
-            return await self._with_temp_file(source, self.embed_video)
+            digest = digest if digest is not None else await self._run(file_digest, source)
+            return await self._with_temp_file(source, lambda path: self.embed_video(path, digest))
         params = {"video": self.config.video, "fps": self.config.video_fps, "max_frames": self.config.video_max_frames,
                   **self.config.preprocess_params()}
         encoder = self._identity("vision")
-        digest = await self._run(_file_digest, Path(source))
-        upload = media_key("video-upload", digest, params, encoder)
+        upload = await self._upload_key("video", source, digest, params, encoder)
         if (hit := await self._lookup_upload(upload)) is not None:
             return self._hit("video", hit, upload=True)
         frames = await self._run(
@@ -166,14 +167,14 @@ class MediaEmbedder:
         item = VisionInput(batch.pixel_values, tuple(int(x) for x in batch.grid_thw[0].tolist()))
         return await self._encode_and_store("video", "vision", item, content, upload)
 
-    async def embed_audio(self, source: str | os.PathLike[str] | bytes) -> MediaEmbedding:
+    async def embed_audio(self, source: str | os.PathLike[str] | bytes,
+                          digest: bytes | None = None) -> MediaEmbedding:
         audio_encoder: Any = self.batcher.encoder("audio")
         n_mels = int(audio_encoder.config.num_mel_bins)
         chunk_seconds = audio_encoder.config.chunk_frames * _HOP_LENGTH / self.config.audio_sample_rate
         params = {"sample_rate": self.config.audio_sample_rate, "n_mels": n_mels, "chunk_seconds": chunk_seconds}
         encoder = self._identity("audio")
-        raw = source if isinstance(source, bytes) else await self._run(_file_digest, Path(source))
-        upload = media_key("audio-upload", raw, params, encoder)
+        upload = await self._upload_key("audio", source, digest, params, encoder)
         if (hit := await self._lookup_upload(upload)) is not None:
             return self._hit("audio", hit, upload=True)
         wave = await self._run(
@@ -189,6 +190,15 @@ class MediaEmbedder:
         return await self._encode_and_store("audio", "audio", item, content, upload)
 
     # -- internals --------------------------------------------------------------
+
+    async def _upload_key(self, kind: str, source: str | os.PathLike[str] | bytes, digest: bytes | None,
+                          params: dict[str, Any], encoder: str) -> bytes:
+        """The key of these file bytes under these parameters and encoder."""
+        if digest is None:
+            digest = await self._run(file_digest, source)
+        elif len(digest) != KEY_BYTES:
+            raise ValueError(f"a media digest is {KEY_BYTES} bytes, not {len(digest)}")
+        return media_key(f"{kind}-upload", digest, params, encoder)
 
     def _identity(self, kind: str) -> str:
         return str(self.batcher.encoder(kind).identity)
@@ -241,10 +251,3 @@ class MediaEmbedder:
             await self._alias(upload, content)
         return MediaEmbedding(kind, content, int(tensor.shape[0]), tensor, cached=False)
 
-
-def _file_digest(path: Path) -> bytes:
-    h = hashlib.blake2b(digest_size=32)
-    with open(path, "rb") as f:
-        while chunk := f.read(_FILE_HASH_CHUNK):
-            h.update(chunk)
-    return h.digest()

@@ -140,7 +140,7 @@ class EncoderService:
         if (request.path is None) == (request.data is None):
             return m.EmbedFailed(request.request_id, 400, "a media item needs a path or its bytes, not both")
         source = Path(request.path) if request.path is not None else request.data
-        emb = await self.embedder.embed(request.kind, source)  # type: ignore[arg-type]
+        emb = await self.embedder.embed(request.kind, source, request.digest)  # type: ignore[arg-type]
         assert emb.tensor is not None  # an embedder returns the rows it made or found
         if emb.key not in self.store and self.cache.ring is None:
             size = emb.tensor.numel() * emb.tensor.element_size()

@@ -370,7 +370,7 @@ class RemoteEmbedder:
         link = min(live, key=lambda link: len(link.waiting))
         request_id = uuid.uuid4().hex
         path = str(ref.path.resolve()) if self.shared_spool and ref.path is not None else None
-        message = m.EmbedMedia(request_id, ref.kind, path, None if path is not None else ref.read())
+        message = m.EmbedMedia(request_id, ref.kind, path, None if path is not None else ref.read(), ref.digest)
         try:
             queue = await self.encoders.request(link, request_id, message)
             answer = await queue.get()

@@ -42,7 +42,7 @@ __all__ = [
     "SnapshotRequest", "SpanSpec", "StepOutputs", "Submit", "Tokens", "WorkerPong", "decode", "encode",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class ProtocolError(ValueError):
@@ -268,6 +268,7 @@ class EmbedMedia(_Msg):
     kind: str  # "image" | "video" | "audio"
     path: str | None  # a file the encoder can read (same machine, shared spool)
     data: bytes | None  # otherwise the bytes themselves
+    digest: bytes | None = None  # the file's file_digest, when the API has it (a clip seen and heard)
 
 
 class Embedded(_Msg):

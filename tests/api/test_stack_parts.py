@@ -45,7 +45,8 @@ def test_every_message_round_trips() -> None:
         m.Tokens("r2", [5], None, [-0.25], [[(5, -0.25), (9, -2.0)]], 12),
         m.Abort("r1"), m.Flush("t"), m.SnapshotRequest(), m.Admitted("r1"), m.Refused("r1", 400, "no"),
         m.Tokens("r1", [5, 6], "stop"), m.Failed("r1", 500, "boom"), m.KVEventsMsg.of("w", "inc", log.drain()),
-        m.Flushed("t", {"a": 1}), m.EmbedMedia("e1", "video", "/spool/x.mp4", None), m.Embedded("e1", b"k", 4, True),
+        m.Flushed("t", {"a": 1}), m.EmbedMedia("e1", "video", "/spool/x.mp4", None),
+        m.EmbedMedia("e2", "audio", None, b"wav", bytes(32)), m.Embedded("e1", b"k", 4, True),
         m.EmbedFailed("e1", 415, "not a video"),
     ]
     for message in samples:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from embedding_cache import KEY_BYTES, key_hex, media_key
+from embedding_cache.keys import file_digest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -172,3 +173,11 @@ def test_same_key_across_processes_with_different_hash_seeds() -> None:
         "video", [bytes(range(256)) * 3, torch.arange(6, dtype=torch.float16).reshape(2, 3)], local_params, "enc"
     )
     assert keys == {local.hex()}
+
+
+def test_file_digest_is_the_same_for_a_path_and_its_bytes(tmp_path: Path) -> None:
+    data = os.urandom(3 << 20)  # several read chunks
+    path = tmp_path / "clip.bin"
+    path.write_bytes(data)
+    assert file_digest(path) == file_digest(str(path)) == file_digest(data)
+    assert len(file_digest(data)) == KEY_BYTES and file_digest(data) != file_digest(data[:-1])
