@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.engine_loop import StreamEvent
+from api.streams import StreamEvent
 from api.output_parsers import ReasoningDelta, ToolDelta
 
 __all__ = ["ChoiceOutput", "OutputOptions", "TokenText"]

@@ -14,7 +14,7 @@ from typing import Any
 
 from api.chat import BadRequest, ChatRequest, MediaRef, choice_request_id
 from api.chat_output import ChoiceDelta, ChoiceOutput, OutputOptions
-from api.engine_loop import EngineUnavailable, RequestFailed, StreamEvent
+from api.streams import EngineUnavailable, RequestFailed, StreamEvent
 from api.frontend import Frontend
 from api.http import error_for
 from api.metrics import ServerMetrics

@@ -13,7 +13,7 @@ from api.chat import (
     parse_sampling, parse_stop, require_unicode,
 )
 from api.chat_service import ChatService, Generation, gather_or_cancel, interleaved, sse_choices, usage_of
-from api.engine_loop import StreamEvent
+from api.streams import StreamEvent
 from llm_core import SamplingParams
 from llm_core.sample.sampling import MAX_TOP_LOGPROBS
 

@@ -30,35 +30,21 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
+from api.streams import (
+    Detokenizer, EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent, admitted_stream,
+)
 from llm_core import LLM, MultimodalSpan, SamplingParams
 from llm_core.cluster.disagg import KVReservation, PrefilledKV
 from llm_core.engine import TokenEvent
 
-__all__ = [
-    "AsyncEngine", "Detokenizer", "EngineOverloaded", "EngineUnavailable", "RequestFailed",
-    "StreamEvent", "Submission",
-]
+__all__ = ["AsyncEngine", "Submission"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineOverloaded(RuntimeError):
-    """Too many requests are waiting; the caller should answer 429."""
-
-
-class RequestFailed(RuntimeError):
-    """The request failed while it was generating (the server's fault, not the
-    client's: HTTP 500); other requests were not affected."""
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine failed as a whole (every request in flight was lost) or is
-    shutting down; a caller should answer 503."""
 
 
 # An inline engine's event-loop turns between steps (``AsyncEngine.run_inline``).
@@ -71,28 +57,6 @@ _SUNK_LAST = object()  # a sink stream's final event went to its sink: the strea
 # Where a stream's admission (None) and tokens go instead of its queue, called
 # on the stream's event loop in the step's one callback.
 Sink = Callable[["StreamEvent | None"], None]
-
-
-class Detokenizer(Protocol):
-    """A request's text, advanced on the engine thread one token at a time."""
-
-    stopped: bool  # the text reached a stop string: the request ends here
-
-    def push(self, token: int, final: bool = False) -> str:
-        """The text delta for this token; ``final`` on the request's last one."""
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    """One generated token as a request's stream yields it."""
-
-    token: int
-    finish_reason: str | None  # on the last one: "stop" (a stop token or string) or "length"
-    text: str = ""  # the text delta, when the request brought a detokenizer
-    logprob: float | None = None  # with SamplingParams.logprobs: see TokenEvent
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    cached_tokens: int | None = None  # on the first event: prompt tokens served by the prefix cache
-    exported: PrefilledKV | None = None  # on the last event of an ``export_kv`` request: its KV
 
 
 @dataclass
@@ -327,27 +291,17 @@ class AsyncEngine:
         if not handle.finished:
             self._send(_Abort(handle))
 
-    async def _stream(self, handle: _Handle) -> AsyncGenerator[StreamEvent | None, None]:
-        try:
-            while True:
-                item = await handle.events.get()
-                if isinstance(item, BaseException):
-                    handle.finished = True  # refused or failed: the engine holds nothing of it
-                    raise item
-                if item is _ADMITTED:
-                    yield None
-                    continue
-                if item is _SUNK_LAST:
-                    handle.finished = True
-                    return
-                # Done before it is handed over: a reader that stops at the last
-                # event and closes the stream queues no abort.
-                handle.finished = item.finish_reason is not None
-                yield item
-                if handle.finished:
-                    return
-        finally:
-            self._release(handle)
+    @staticmethod
+    async def _items(handle: _Handle) -> AsyncGenerator[StreamEvent | None, None]:
+        """What the engine thread posted to the request: its admission (None),
+        then its events; a refusal or failure raises."""
+        while True:
+            item = await handle.events.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is _SUNK_LAST:
+                return
+            yield None if item is _ADMITTED else item
 
     def close(self) -> None:
         self._send(None)
@@ -573,9 +527,11 @@ class Submission:
     async def admitted(self) -> AsyncGenerator[StreamEvent, None]:
         """Wait for the admission; then the request's stream, as ``open`` returns
         it (a refusal raises here, as ``ValueError`` and the like)."""
-        stream = self._engine._stream(self._handle)
-        await stream.__anext__()  # the admission; from here the stream is started, so closing it aborts
-        return stream  # type: ignore[return-value]  # yields only StreamEvents from now on
+        return await admitted_stream(self._engine._items(self._handle), self._finish)
+
+    def _finish(self, finished: bool) -> None:
+        self._handle.finished = finished
+        self._engine._release(self._handle)
 
     def release(self) -> None:
         """Let the request go whether or not ``admitted`` ever ran (say, a task

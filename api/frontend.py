@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from api.chat import MediaRef
-from api.engine_loop import Detokenizer, StreamEvent
+from api.streams import Detokenizer, StreamEvent
 from api.metrics import ServerMetrics
 from api.options import ServerOptions
 from llm_core import SamplingParams

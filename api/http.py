@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from api.body_refusal import UploadError, format_size, refuse_declared_oversize
 from api.chat import BadRequest, UnsupportedMedia, parse_json_body
-from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed
+from api.streams import EngineOverloaded, EngineUnavailable, RequestFailed
 from encoders import EncoderQueueFull
 from llm_core.model.chat import ChatTemplateError
 from media import MediaError

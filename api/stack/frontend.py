@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from api.chat import MediaRef
-from api.engine_loop import Detokenizer, EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
+from api.streams import (
+    Detokenizer, EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent, admitted_stream,
+)
 from api.metrics import ServerMetrics
 from api.options import ServerOptions
 from api.runtime import media_kinds
@@ -169,14 +171,24 @@ class RemoteEngineClient:
         text: Detokenizer | None = None,
         request_id: str | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
-        routed = RoutedStream()
+        if self._pending >= self.max_pending:
+            raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
+        if self.vocab_size is not None:
+            params.check_vocabulary(self.vocab_size)
         # The API's id goes to the worker in the Submit: its log lines name the request the same way.
-        stream = self._stream(prompt_ids, params, spans, text, routed, request_id or uuid.uuid4().hex)
-        await stream.__anext__()  # admitted: from here closing the stream aborts the request
-        routed.stream = stream  # type: ignore[assignment]
+        request_id = request_id or uuid.uuid4().hex
+        try:
+            decision = self.router.route(request_id, with_cache_tokens(prompt_ids, spans))
+        except NoWorkers:
+            raise EngineUnavailable("no worker is available; retry shortly") from None
+        routed = RoutedStream()
+        routed.worker_id = decision.worker_id
+        self._pending += 1
+        source = self._items(prompt_ids, params, spans, text, routed, request_id)
+        routed.stream = await admitted_stream(source, lambda finished: self._release(request_id, routed, finished))
         return routed  # type: ignore[return-value]
 
-    async def _stream(
+    async def _items(
         self,
         prompt_ids: list[int],
         params: SamplingParams,
@@ -185,50 +197,31 @@ class RemoteEngineClient:
         routed: RoutedStream,
         request_id: str,
     ) -> AsyncGenerator[StreamEvent | None, None]:
-        if self._pending >= self.max_pending:
-            raise EngineOverloaded(f"the server is at capacity ({self._pending} requests in progress)")
-        if self.vocab_size is not None:
-            params.check_vocabulary(self.vocab_size)
+        """The request sent to its worker: its admission (None), then its events."""
         try:
-            decision = self.router.route(request_id, with_cache_tokens(prompt_ids, spans))
-        except NoWorkers:
-            raise EngineUnavailable("no worker is available; retry shortly") from None
-        routed.worker_id = decision.worker_id
-        self._pending += 1
-        finished = False
-        link: Link[m.WorkerPong] | None = None
-        try:
-            link, prefill_by, prefill_incarnation = self._links_for(request_id, decision.worker_id, routed)
-            submit = m.Submit(request_id, link.incarnation, list(prompt_ids),
+            routed.link, prefill_by, prefill_incarnation = self._links_for(request_id, routed.worker_id, routed)
+            submit = m.Submit(request_id, routed.link.incarnation, list(prompt_ids),
                               [m.SpanSpec(s.offset, s.length, s.key) for s in spans], m.SamplingSpec.of(params),
                               prefill_by, prefill_incarnation)
-            queue = await self.workers.request(link, request_id, submit)
+            queue = await self.workers.request(routed.link, request_id, submit)
             answer = await queue.get()
             if not isinstance(answer, m.Admitted):
-                finished = True  # refused or lost before admission: the worker holds nothing of it
                 raise _error_of(answer)
             yield None
-            async for event in self._tokens(queue, request_id, text):
-                # Done before it is handed over: a reader that stops at the last
-                # event and closes the stream sends the worker no abort.
-                finished = event.finish_reason is not None
+            async for event in self._tokens(queue, request_id, text, routed.link):
                 yield event
-                if finished:
-                    return
         except ServiceDown as exc:
-            finished = True
             raise EngineUnavailable(str(exc)) from None
-        except (RequestFailed, EngineUnavailable):
-            finished = True
-            raise
-        finally:
-            self._pending -= 1
-            self.router.prefill_done(request_id)
-            self.router.decode_done(request_id)
-            if link is not None:
-                link.waiting.pop(request_id, None)
-                if not finished and link.alive:  # the client left, or a stop string ended it here
-                    await self.workers._send(link, m.Abort(request_id))
+
+    async def _release(self, request_id: str, routed: RoutedStream, finished: bool) -> None:
+        self._pending -= 1
+        self.router.prefill_done(request_id)
+        self.router.decode_done(request_id)
+        link = routed.link
+        if link is not None:
+            link.waiting.pop(request_id, None)
+            if not finished and link.alive:  # the client left, or a stop string ended it here
+                await self.workers._send(link, m.Abort(request_id))
 
     def _links_for(self, request_id: str, prefill_worker: str,
                    routed: RoutedStream) -> tuple[Link[m.WorkerPong], str, str]:
@@ -246,8 +239,8 @@ class RemoteEngineClient:
         routed.decode_worker_id = decode_worker
         return decode, prefill.address, prefill.incarnation
 
-    async def _tokens(self, queue: asyncio.Queue[Any], request_id: str,
-                      text: Detokenizer | None) -> AsyncGenerator[StreamEvent, None]:
+    async def _tokens(self, queue: asyncio.Queue[Any], request_id: str, text: Detokenizer | None,
+                      link: Link[m.WorkerPong]) -> AsyncGenerator[StreamEvent, None]:
         first = True
         while True:
             message = await queue.get()
@@ -258,7 +251,12 @@ class RemoteEngineClient:
                 self.router.prefill_done(request_id)
             for i, token in enumerate(message.tokens):
                 reason = message.finish_reason if i == len(message.tokens) - 1 else None
-                event = _with_text(token, reason, text)
+                try:
+                    event = _with_text(token, reason, text)
+                except RequestFailed:
+                    if message.finish_reason is None and link.alive:  # the worker would go on generating it
+                        await self.workers._send(link, m.Abort(request_id))
+                    raise
                 logprob = message.logprobs[i] if message.logprobs is not None else None
                 top = tuple(map(tuple, message.top_logprobs[i])) if message.top_logprobs is not None else ()
                 yield replace(event, logprob=logprob, top_logprobs=top,  # type: ignore[arg-type]
@@ -270,6 +268,7 @@ class RoutedStream:
 
     def __init__(self) -> None:
         self.stream: AsyncGenerator[StreamEvent, None] | None = None
+        self.link: Link[m.WorkerPong] | None = None  # the worker it was sent to
         self.worker_id = ""  # where its prompt is computed
         self.decode_worker_id = ""  # disaggregated: where it is decoded
 

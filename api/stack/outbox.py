@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from api.engine_loop import StreamEvent
+from api.streams import StreamEvent
 from api.stack import messages as m
 
 __all__ = ["Outbox", "tokens_message"]

@@ -37,15 +37,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api.engine_loop import (
-    AsyncEngine,
-    EngineOverloaded,
-    EngineUnavailable,
-    RequestFailed,
-    Sink,
-    StreamEvent,
-    Submission,
-)
+from api.engine_loop import AsyncEngine, Sink, Submission
+from api.streams import EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
 from api.metrics import ServerMetrics
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh

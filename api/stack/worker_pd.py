@@ -23,7 +23,8 @@ from typing import Any
 
 import zmq.asyncio
 
-from api.engine_loop import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed, Sink, StreamEvent
+from api.engine_loop import AsyncEngine, Sink
+from api.streams import EngineOverloaded, EngineUnavailable, RequestFailed, StreamEvent
 from api.stack import messages as m
 from api.stack.transport import connect_dealer, recv_message, send
 from api.stack.worker_refusals import MissingEmbedding, refusal_status

@@ -3,7 +3,7 @@ API's ``Refused`` and a decode worker's ``PrefillFailed`` say it alike."""
 
 from __future__ import annotations
 
-from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed
+from api.streams import EngineOverloaded, EngineUnavailable, RequestFailed
 
 __all__ = ["MissingEmbedding", "refusal_status"]
 

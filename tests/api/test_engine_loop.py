@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from api.engine_loop import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestFailed
+from api.engine_loop import AsyncEngine
+from api.streams import EngineOverloaded, EngineUnavailable, RequestFailed
 from api.textstream import TextStream
 from llm_core import LLM, SamplingParams
 

@@ -15,7 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from api.engine_loop import EngineOverloaded, EngineUnavailable, RequestFailed
+from api.streams import EngineOverloaded, EngineUnavailable, RequestFailed
 from api.launch import free_port
 from api.stack import messages as m
 from api.stack.frontend import RemoteEngineClient, WorkerLinks, aggregate_stats
