@@ -16,7 +16,8 @@ from llm_core.loading.checkpoint import write_random_checkpoint
 
 
 def test_the_calibrated_model_grows_with_prefill_tokens_and_decode_rows() -> None:
-    cost = calibrated_cost(chunks=(16, 128), context=256, batches=(1, 8), contexts=(64,))
+    # Sizes far apart: timings on a busy machine are noisy, and the fit must still see the growth.
+    cost = calibrated_cost(chunks=(16, 256), context=512, batches=(1, 16), contexts=(64,))
     assert cost.intercept >= 0 and all(c >= 0 for c in cost.coefficients)
     small = cost.step_seconds(StepShape(16, 16 * 8, 16 * 8))
     large = cost.step_seconds(StepShape(512, 512 * 256, 512 * 32))
