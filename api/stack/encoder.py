@@ -31,7 +31,7 @@ from api.runtime import media_kinds, media_pipeline
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
 from api.stack.service import ServiceSocket, run_service
-from api.stack.transport import recv_message, send
+from api.stack.transport import send
 from embedding_cache import SharedEmbeddingStore, embedding_cache_routes
 from encoders import EncoderQueueFull
 from encoders.multimodal_checkpoint import placeholder_token_ids
@@ -83,7 +83,7 @@ class EncoderService:
     async def serve(self, stop: asyncio.Event) -> None:
         config = self.config
         self._service = ServiceSocket(config.host, config.port, config.health_port, self._http_routes())
-        chores = [self._receive(), keep_ring_fresh(self.cache, config.embedding_peers)]
+        chores = [self._service.dispatch(self._handle), keep_ring_fresh(self.cache, config.embedding_peers)]
         log.info("encoder %s (%s) on tcp://%s:%d, store %s", config.encoder_id, ", ".join(self.media_kinds),
                  config.host, config.port, config.store_name)
         try:
@@ -94,19 +94,16 @@ class EncoderService:
             await self.cache.aclose()
             self.store.close()
 
-    async def _receive(self) -> None:
+    async def _handle(self, identity: bytes, message: object) -> None:
         assert self._service is not None
-        while True:
-            identity, message = await recv_message(self._service.sock, with_identity=True)
-            assert identity is not None
-            self._service.peers.seen(identity)
-            if isinstance(message, m.Ping):
-                await send(self._service.sock, self._pong(message), identity)
-            elif isinstance(message, m.EmbedMedia):
-                task = asyncio.create_task(self._embed(identity, message))
-                self.in_flight[message.request_id] = (identity, task)
-            else:
-                log.warning("unexpected %s", type(message).__name__)
+        self._service.peers.seen(identity)
+        if isinstance(message, m.Ping):
+            await send(self._service.sock, self._pong(message), identity)
+        elif isinstance(message, m.EmbedMedia):
+            task = asyncio.create_task(self._embed(identity, message))
+            self.in_flight[message.request_id] = (identity, task)
+        else:
+            log.warning("unexpected %s", type(message).__name__)
 
     def _pong(self, ping: m.Ping) -> m.EncoderPong:
         stats = self.embedder.stats

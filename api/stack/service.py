@@ -9,7 +9,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,7 +19,7 @@ import zmq.asyncio
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from api.stack.transport import bind_router
+from api.stack.transport import bind_router, recv_message
 
 __all__ = ["HttpSide", "Peers", "ServiceSocket", "every", "install_stop_signals"]
 
@@ -89,6 +89,17 @@ class ServiceSocket:
             await self.http.stop()
             self.sock.close()
             self.context.term()
+
+    async def dispatch(self, handle: Callable[[bytes, object], Awaitable[None]]) -> None:
+        """Every message received, with its sender's identity, to ``handle`` in
+        order: a chore. One message's failure is logged, and the next is read."""
+        while True:
+            identity, message = await recv_message(self.sock, with_identity=True)
+            assert identity is not None
+            try:
+                await handle(identity, message)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the service
+                log.exception("handling %s failed", type(message).__name__)
 
     def forget_silent_peers(self) -> None:
         """Cancel what each API that went quiet still held: nobody would read it."""

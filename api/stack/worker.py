@@ -44,7 +44,7 @@ from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
 from api.stack.outbox import Outbox, tokens_message
 from api.stack.service import Peers, ServiceSocket, every, run_service
-from api.stack.transport import recv_message, send
+from api.stack.transport import send
 from api.stack.worker_pd import Disaggregation
 from api.stack.worker_refusals import MissingEmbedding, refusal_status
 from embedding_cache import EmbeddingCache, SharedEmbeddingStore
@@ -124,7 +124,7 @@ class WorkerService:
         config = self.config
         self._service = ServiceSocket(config.host, config.port, config.health_port, self._http_routes(),
                                       config.ipc_path)
-        chores = [self.engine.run_inline(), self._receive(),
+        chores = [self.engine.run_inline(), self._service.dispatch(self._handle),
                   every(EVENT_INTERVAL_S, self._publish_events, "sending KV events"),
                   keep_ring_fresh(self.embeddings, config.embedding_peers)]
         where = f"ipc://{config.ipc_path}" if config.ipc_path else f"tcp://{config.host}:{config.port}"
@@ -142,16 +142,6 @@ class WorkerService:
                 self.store.close()
 
     # ------------------------------------------------------------ messages
-    async def _receive(self) -> None:
-        assert self._service is not None
-        while True:
-            identity, message = await recv_message(self._service.sock, with_identity=True)
-            assert identity is not None
-            try:
-                await self._handle(identity, message)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the worker
-                log.exception("handling %s failed", type(message).__name__)
-
     async def _handle(self, identity: bytes, message: object) -> None:
         if isinstance(message, m.PrefillRequest | m.AbortPrefill | m.Probe):
             await self.disaggregation.handle(identity, message)  # a decode worker, not an API: no KV events to it

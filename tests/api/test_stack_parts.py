@@ -22,7 +22,7 @@ from api.stack.frontend import RemoteEngineClient, WorkerLinks, aggregate_stats
 from api.stack.service import PEER_TIMEOUT_S, ServiceSocket
 from api.stack.links import DEAD_AFTER_S
 from api.stack.supervisor import Supervisor, _Process
-from api.stack.transport import bind_router, parse_peers, recv_message, resolve_peers, send
+from api.stack.transport import bind_router, connect_dealer, parse_peers, recv_message, resolve_peers, send
 from llm_core import SamplingParams
 from llm_core.kv.kv_events import KVEventLog
 from llm_core.kv.tiers.kv_tiers import FULL, SWA
@@ -115,6 +115,37 @@ def test_a_service_cancels_only_what_a_quiet_api_held(tmp_path: Path) -> None:
             service.context.term()
 
     asyncio.run(main())
+
+
+def test_a_service_hands_each_message_to_its_handler_and_survives_a_bad_one(tmp_path: Path) -> None:
+    async def main() -> list[tuple[bytes, object]]:
+        ipc = str(tmp_path / "service.sock")
+        service = ServiceSocket("127.0.0.1", 0, free_port(), [], ipc)
+        client = connect_dealer(service.context, f"ipc://{ipc}", b"api-1")
+        handled: list[tuple[bytes, object]] = []
+
+        async def handle(identity: bytes, message: object) -> None:
+            if isinstance(message, m.Abort) and message.request_id == "bad":
+                raise RuntimeError("a handler's bug")
+            handled.append((identity, message))
+
+        chore = asyncio.create_task(service.dispatch(handle))
+        try:
+            for rid in ("r1", "bad", "r2"):
+                while not await send(client, m.Abort(rid)):  # not connected yet
+                    await asyncio.sleep(0.01)
+            for _ in range(200):
+                if len(handled) == 2:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            chore.cancel()
+            client.close()
+            service.sock.close()
+            service.context.term()
+        return handled
+
+    assert asyncio.run(main()) == [(b"api-1", m.Abort("r1")), (b"api-1", m.Abort("r2"))]
 
 
 def test_a_role_that_keeps_dying_waits_longer_each_time() -> None:
