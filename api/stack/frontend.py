@@ -185,7 +185,7 @@ class RemoteEngineClient:
         routed.worker_id = decision.worker_id
         self._pending += 1
         source = self._items(prompt_ids, params, spans, text, routed, request_id)
-        routed.stream = await admitted_stream(source, lambda finished: self._release(request_id, routed, finished))
+        routed.stream = await admitted_stream(source, lambda _finished: self._release(request_id, routed))
         return routed  # type: ignore[return-value]
 
     async def _items(
@@ -204,23 +204,27 @@ class RemoteEngineClient:
                               [m.SpanSpec(s.offset, s.length, s.key) for s in spans], m.SamplingSpec.of(params),
                               prefill_by, prefill_incarnation)
             queue = await self.workers.request(routed.link, request_id, submit)
+            routed.worker_holds = True  # sent: from here the worker may hold it, admitted or not yet
             answer = await queue.get()
             if not isinstance(answer, m.Admitted):
+                routed.worker_holds = False  # refused, or lost before admission
                 raise _error_of(answer)
             yield None
-            async for event in self._tokens(queue, request_id, text, routed.link):
+            async for event in self._tokens(queue, request_id, text, routed):
                 yield event
         except ServiceDown as exc:
             raise EngineUnavailable(str(exc)) from None
 
-    async def _release(self, request_id: str, routed: RoutedStream, finished: bool) -> None:
+    async def _release(self, request_id: str, routed: RoutedStream) -> None:
         self._pending -= 1
         self.router.prefill_done(request_id)
         self.router.decode_done(request_id)
         link = routed.link
         if link is not None:
             link.waiting.pop(request_id, None)
-            if not finished and link.alive:  # the client left, or a stop string ended it here
+            # The client left, a stop string or a text failure ended it here: the
+            # worker would go on generating it.
+            if routed.worker_holds and link.alive:
                 await self.workers._send(link, m.Abort(request_id))
 
     def _links_for(self, request_id: str, prefill_worker: str,
@@ -240,23 +244,22 @@ class RemoteEngineClient:
         return decode, prefill.address, prefill.incarnation
 
     async def _tokens(self, queue: asyncio.Queue[Any], request_id: str, text: Detokenizer | None,
-                      link: Link[m.WorkerPong]) -> AsyncGenerator[StreamEvent, None]:
+                      routed: RoutedStream) -> AsyncGenerator[StreamEvent, None]:
         first = True
         while True:
             message = await queue.get()
             if not isinstance(message, m.Tokens):
+                routed.worker_holds = False  # it failed there, or the worker is gone
                 raise _error_of(message)
             if first:
                 first = False
                 self.router.prefill_done(request_id)
             for i, token in enumerate(message.tokens):
                 reason = message.finish_reason if i == len(message.tokens) - 1 else None
-                try:
-                    event = _with_text(token, reason, text)
-                except RequestFailed:
-                    if message.finish_reason is None and link.alive:  # the worker would go on generating it
-                        await self.workers._send(link, m.Abort(request_id))
-                    raise
+                # Ended by the worker before it is handed over: a reader that
+                # stops at the last event and closes the stream sends no abort.
+                routed.worker_holds = reason is None
+                event = _with_text(token, reason, text)
                 logprob = message.logprobs[i] if message.logprobs is not None else None
                 top = tuple(map(tuple, message.top_logprobs[i])) if message.top_logprobs is not None else ()
                 yield replace(event, logprob=logprob, top_logprobs=top,  # type: ignore[arg-type]
@@ -269,6 +272,7 @@ class RoutedStream:
     def __init__(self) -> None:
         self.stream: AsyncGenerator[StreamEvent, None] | None = None
         self.link: Link[m.WorkerPong] | None = None  # the worker it was sent to
+        self.worker_holds = False  # sent there and not ended by the worker: closing it sends an abort
         self.worker_id = ""  # where its prompt is computed
         self.decode_worker_id = ""  # disaggregated: where it is decoded
 

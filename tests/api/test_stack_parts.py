@@ -300,6 +300,35 @@ def test_a_reader_stopping_at_the_last_token_sends_no_abort(stop_at: str) -> Non
     _run(body)
 
 
+class _StopsAtSeven:
+    """A detokenizer whose text reaches a stop string at token 7."""
+
+    stopped = False
+
+    def push(self, token: int, final: bool = False) -> str:
+        self.stopped = self.stopped or token == 7
+        return str(token)
+
+
+def test_a_stop_string_found_by_the_api_aborts_the_request_on_its_worker() -> None:
+    async def body(workers: list[FakeWorker]) -> None:
+        async for client, _ in _client(*workers):
+            opened = asyncio.create_task(client.open([1, 2, 3], SamplingParams(max_tokens=50), text=_StopsAtSeven()))
+            await asyncio.sleep(0.3)
+            target = next(w for w in workers if any(isinstance(x, m.Submit) for x in w.received))
+            submit = next(x for x in target.received if isinstance(x, m.Submit))
+            await send(target.sock, m.Admitted(submit.request_id), target._peer)
+            await send(target.sock, m.Tokens(submit.request_id, [5, 7], None), target._peer)
+            events = [(e.token, e.finish_reason) async for e in await opened]
+            assert events == [(5, None), (7, "stop")]
+            await asyncio.sleep(0.2)
+            assert [x for x in target.received if isinstance(x, m.Abort)] == [m.Abort(submit.request_id)]
+            assert client.pending == 0
+            break
+
+    _run(body)
+
+
 @pytest.mark.parametrize(("answer", "error"), [
     (m.Refused("", 400, "prompt too long"), ValueError),
     (m.Refused("", 429, "busy"), EngineOverloaded),
