@@ -1,11 +1,15 @@
 """The API's connections to the services it uses (workers, encoders).
 
-One DEALER socket per service address, pinged every ``PING_INTERVAL_S``; a
-service that has not answered for ``DEAD_AFTER_S`` is down: it leaves
-routing, and what it held (streams, media items) fails with a clear error
-at once -- never a hang. Pings go on, so a service that comes back (a
-restart: a new incarnation) registers again. Addresses may come from DNS and
-change: the list is resolved again every ``RESOLVE_INTERVAL_S``.
+One DEALER socket per service address, pinged every ``PING_INTERVAL_S``.
+Whether a service is there is the connection's business: libzmq's ZMTP
+heartbeats close a connection whose peer is killed, frozen or cut off, and a
+closed connection takes its service out of routing at once, failing what it
+held (streams, media items) with a clear error -- within ``DEAD_AFTER_S``,
+never a hang. A service that is connected but does not answer pings is busy
+(a long engine step holds its event loop) until ``HUNG_AFTER_S``, when it is
+taken for hung. Pings go on, so a service that comes back (a restart: a new
+incarnation) registers again. Addresses may come from DNS and change: the
+list is resolved again every ``RESOLVE_INTERVAL_S``.
 """
 
 from __future__ import annotations
@@ -20,17 +24,24 @@ from typing import Any, Generic, TypeVar
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from api.stack import messages as m
-from api.stack.transport import PeerSpec, connect_dealer, recv_message, resolve_peers, send
+from api.stack.transport import (
+    HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, PeerSpec, connect_dealer, recv_message, resolve_peers, send,
+)
 
-__all__ = ["DEAD_AFTER_S", "Link", "LinkSet", "PING_INTERVAL_S", "ServiceDown"]
+__all__ = ["DEAD_AFTER_S", "HUNG_AFTER_S", "Link", "LinkSet", "PING_INTERVAL_S", "ServiceDown"]
 
 log = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 0.25
-DEAD_AFTER_S = 1.5  # well inside the 2 s in which a dead worker must leave routing
+# The longest a dead service's connection stays open: a heartbeat, then its timeout.
+DEAD_AFTER_S = HEARTBEAT_INTERVAL_S + HEARTBEAT_TIMEOUT_S  # inside the 2 s in which a dead worker leaves routing
+# Far beyond any engine step (prefill is chunked) or encoder call.
+HUNG_AFTER_S = 30.0
 RESOLVE_INTERVAL_S = 5.0
+_CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 class ServiceDown(RuntimeError):
@@ -47,8 +58,11 @@ class Link(Generic[Pong]):
     pong: Pong | None = None  # the last answer: who it is, its load
     last_pong: float = 0.0
     alive: bool = False
+    # Until the monitor says otherwise: a handshake may finish before the monitor is attached.
+    connected: bool = True
     waiting: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)  # request id -> its messages
-    receiver: asyncio.Task[None] | None = None
+    monitor: zmq.asyncio.Socket | None = None  # the socket's connection events
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)  # its receiver and connection watcher
 
     @property
     def name(self) -> str:
@@ -116,15 +130,19 @@ class LinkSet(Generic[Pong]):
 
     def _add(self, address: str) -> None:
         assert self._context is not None
-        link: Link[Pong] = Link(address, connect_dealer(self._context, address, self.identity))
-        link.receiver = asyncio.create_task(self._receive(link))
+        link: Link[Pong] = Link(address, connect_dealer(self._context, address, self.identity, heartbeats=True))
+        link.monitor = link.sock.get_monitor_socket(_CONNECTION_EVENTS)
+        link.tasks = [asyncio.create_task(self._receive(link)), asyncio.create_task(self._watch_connection(link))]
         self.links[address] = link
 
     def _drop(self, link: Link[Pong]) -> None:
         self._set_down(link, f"{link.name} left the peer list")
         self.links.pop(link.address, None)
-        if link.receiver is not None:
-            link.receiver.cancel()
+        for task in link.tasks:
+            task.cancel()
+        link.sock.disable_monitor()
+        if link.monitor is not None:
+            link.monitor.close()
         link.sock.close()
 
     # -------------------------------------------------------------- liveness
@@ -133,10 +151,20 @@ class LinkSet(Generic[Pong]):
             now = time.monotonic()
             for link in list(self.links.values()):
                 await send(link.sock, m.Ping(m.PROTOCOL_VERSION, self.sender, time.time()))
-                if link.alive and now - link.last_pong > DEAD_AFTER_S:
-                    log.warning("%s (%s) stopped answering", link.name, link.address)
+                if link.alive and now - link.last_pong > HUNG_AFTER_S:
+                    log.warning("%s (%s) is connected but has not answered for %.0f s", link.name, link.address,
+                                HUNG_AFTER_S)
                     self._set_down(link, f"{link.name} stopped answering")
             await asyncio.sleep(PING_INTERVAL_S)
+
+    async def _watch_connection(self, link: Link[Pong]) -> None:
+        assert link.monitor is not None
+        while True:
+            event = parse_monitor_message(await link.monitor.recv_multipart())["event"]
+            link.connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            if not link.connected and link.alive:
+                log.warning("%s (%s) stopped answering: its connection closed", link.name, link.address)
+                self._set_down(link, f"{link.name} stopped answering")
 
     async def _receive(self, link: Link[Pong]) -> None:
         while True:
@@ -150,6 +178,8 @@ class LinkSet(Generic[Pong]):
                 log.exception("handling %s from %s failed", type(message).__name__, link.address)
 
     def _on_pong(self, link: Link[Pong], pong: Pong) -> None:
+        if not link.connected:
+            return  # sent before its connection closed
         restarted = link.pong is not None and pong.incarnation != link.pong.incarnation
         if restarted and link.alive:
             self._set_down(link, f"{link.name} restarted")

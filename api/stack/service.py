@@ -102,7 +102,11 @@ class ServiceSocket:
                 log.exception("handling %s failed", type(message).__name__)
 
     def forget_silent_peers(self) -> None:
-        """Cancel what each API that went quiet still held: nobody would read it."""
+        """Cancel what each API that went quiet still held: nobody would read it.
+        Silence is not judged while messages wait unread (after a long engine
+        step, say): they may be the pings of the APIs that look quiet."""
+        if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+            return
         for identity in self.peers.expired():
             lost = [task for who, task in self.held.values() if who == identity]
             for task in lost:

@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 _LINGER_MS = 0
 # Messages queued per peer before sends to it are dropped (a peer that stopped reading).
 _HIGH_WATER_MARK = 100_000
+# ZMTP heartbeats: libzmq's own threads ping the peer and answer its pings,
+# whatever the process's Python is doing (a long engine step holds the event
+# loop, not the connection). A connection that hears nothing for the timeout
+# after a ping is closed: its peer was killed, frozen or cut off.
+HEARTBEAT_INTERVAL_S = 0.25
+HEARTBEAT_TIMEOUT_S = 1.25
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,11 @@ def bind_router(context: zmq.asyncio.Context, host: str, port: int, ipc_path: st
     return sock
 
 
-def connect_dealer(context: zmq.asyncio.Context, address: str, identity: bytes) -> zmq.asyncio.Socket:
+def connect_dealer(context: zmq.asyncio.Context, address: str, identity: bytes,
+                   heartbeats: bool = False) -> zmq.asyncio.Socket:
+    """With ``heartbeats``, a peer that goes silent at the transport closes the
+    connection (what it was sent and did not take is lost): for a link whose
+    owner watches its connection. Without, a frozen peer's messages wait for it."""
     sock = _configure(context.socket(zmq.DEALER))
     sock.setsockopt(zmq.IDENTITY, identity)
     # Messages are not queued for a peer that is not connected: a request sent
@@ -113,6 +123,9 @@ def connect_dealer(context: zmq.asyncio.Context, address: str, identity: bytes) 
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    if heartbeats:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_INTERVAL_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
     if "[" in address:
         sock.setsockopt(zmq.IPV6, 1)
     sock.connect(address)

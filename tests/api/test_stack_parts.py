@@ -6,9 +6,14 @@ liveness within 2 s, refusals and failures mapped to HTTP's meaning)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -20,6 +25,7 @@ from api.launch import free_port
 from api.stack import messages as m
 from api.stack.frontend import RemoteEngineClient, WorkerLinks, aggregate_stats
 from api.stack.service import PEER_TIMEOUT_S, ServiceSocket
+from api.stack import links
 from api.stack.links import DEAD_AFTER_S
 from api.stack.supervisor import Supervisor, _Process
 from api.stack.transport import bind_router, connect_dealer, parse_peers, recv_message, resolve_peers, send
@@ -111,6 +117,37 @@ def test_a_service_cancels_only_what_a_quiet_api_held(tmp_path: Path) -> None:
             assert list(service.peers) == [b"talking"]
             held[b"talking"].cancel()
         finally:
+            service.sock.close()
+            service.context.term()
+
+    asyncio.run(main())
+
+
+def test_a_service_judges_no_api_quiet_while_its_messages_wait_unread(tmp_path: Path) -> None:
+    """After a step longer than the peer timeout, the pings that came during
+    it are read before anyone is taken for gone."""
+    async def main() -> None:
+        ipc = str(tmp_path / "service.sock")
+        service = ServiceSocket("127.0.0.1", 0, free_port(), [], ipc)
+        api = connect_dealer(service.context, f"ipc://{ipc}", b"api-1")
+        try:
+            held = asyncio.create_task(asyncio.sleep(60))
+            service.held["r1"] = (b"api-1", held)
+            service.peers.seen(b"api-1")
+            service.peers.last_seen[b"api-1"] -= PEER_TIMEOUT_S + 1
+            while not await send(api, m.Ping(m.PROTOCOL_VERSION, "api-1", time.time())):
+                await asyncio.sleep(0.01)
+            while not service.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                await asyncio.sleep(0.01)
+            service.forget_silent_peers()
+            await asyncio.sleep(0)
+            assert not held.done() and list(service.peers) == [b"api-1"]
+            await recv_message(service.sock, with_identity=True)
+            service.forget_silent_peers()  # read, and still nothing newer from it
+            await asyncio.sleep(0)
+            assert held.cancelled()
+        finally:
+            api.close()
             service.sock.close()
             service.context.term()
 
@@ -251,27 +288,102 @@ def test_requests_go_where_the_kv_events_say_the_prefix_is() -> None:
     _run(body)
 
 
-def test_a_silent_worker_fails_its_stream_within_two_seconds_and_leaves_routing() -> None:
+async def _admitted_stream(client: RemoteEngineClient, workers: list[FakeWorker]) -> tuple[FakeWorker, str, Any]:
+    """A stream admitted by one of ``workers`` (which answer nothing more):
+    that worker, the request's id and the stream."""
+    for worker in workers:
+        worker.script = []
+    stream_task = asyncio.create_task(client.open([1, 2, 3], SamplingParams(max_tokens=5)))
+    await asyncio.sleep(0.3)
+    target = next(w for w in workers if any(isinstance(x, m.Submit) for x in w.received))
+    submit = next(x for x in target.received if isinstance(x, m.Submit))
+    await send(target.sock, m.Admitted(submit.request_id), target._peer)
+    return target, submit.request_id, await stream_task
+
+
+def test_a_dead_worker_fails_its_stream_within_two_seconds_and_leaves_routing() -> None:
     async def body(workers: list[FakeWorker]) -> None:
-        async for client, links in _client(*workers):
-            for worker in workers:
-                worker.script = []
-            stream_task = asyncio.create_task(client.open([1, 2, 3], SamplingParams(max_tokens=5)))
-            await asyncio.sleep(0.3)
-            target = next(w for w in workers if any(isinstance(x, m.Submit) for x in w.received))
-            submit = next(x for x in target.received if isinstance(x, m.Submit))
-            await send(target.sock, m.Admitted(submit.request_id), target._peer)
-            stream = await stream_task
-            target.alive = False
-            silenced = time.monotonic()
+        async for client, _ in _client(*workers):
+            target, _, stream = await _admitted_stream(client, workers)
+            target.sock.close()  # its process died: the connection closes
+            died = time.monotonic()
             with pytest.raises(EngineUnavailable, match="stopped answering"):
                 async for _ in stream:
                     pass
-            assert time.monotonic() - silenced < 2.0
+            assert time.monotonic() - died < 2.0
             assert client.router.workers == [w.worker_id for w in workers if w is not target]
             break
 
     _run(body)
+
+
+def test_a_worker_busy_past_the_dead_time_keeps_its_streams_and_its_place() -> None:
+    """A long engine step holds the worker's event loop, not its connection:
+    pings unanswered for longer than a death takes to see are no death."""
+    async def body(workers: list[FakeWorker]) -> None:
+        async for client, _ in _client(*workers):
+            target, rid, stream = await _admitted_stream(client, workers)
+            target.alive = False
+            await asyncio.sleep(DEAD_AFTER_S + 1.0)
+            assert target.worker_id in client.router.workers
+            await send(target.sock, m.Tokens(rid, [7], "length"), target._peer)
+            assert [(e.token, e.finish_reason) async for e in stream] == [(7, "length")]
+            break
+
+    _run(body)
+
+
+def test_a_worker_connected_but_silent_past_the_hung_time_is_taken_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(links, "HUNG_AFTER_S", 1.0)
+
+    async def body(workers: list[FakeWorker]) -> None:
+        async for client, _ in _client(*workers):
+            target, _, stream = await _admitted_stream(client, workers)
+            target.alive = False
+            with pytest.raises(EngineUnavailable, match="stopped answering"):
+                async for _ in stream:
+                    pass
+            assert client.router.workers == [w.worker_id for w in workers if w is not target]
+            break
+
+    _run(body)
+
+
+def test_a_frozen_worker_process_leaves_routing_within_two_seconds_and_comes_back() -> None:
+    """SIGSTOP freezes libzmq's threads too: heartbeats go unanswered."""
+    script = ("import asyncio, sys; from tests.api.test_stack_parts import FakeWorker; "
+              "w = FakeWorker('frozen'); print(w.port, flush=True); asyncio.run(w.run())")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).parents[2])
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+
+        async def main() -> None:
+            links = WorkerLinks(f"tcp://127.0.0.1:{port}", Router("kv-affinity"), "test-api")
+            await links.start()
+            try:
+                await _until(lambda: len(links.alive()) == 1, 30, "the worker to come up")
+                os.kill(process.pid, signal.SIGSTOP)
+                frozen = time.monotonic()
+                await _until(lambda: not links.alive(), 5, "the frozen worker to leave")
+                assert time.monotonic() - frozen < 2.0
+                os.kill(process.pid, signal.SIGCONT)
+                await _until(lambda: len(links.alive()) == 1, 10, "the worker to come back")
+            finally:
+                await links.aclose()
+
+        asyncio.run(main())
+    finally:
+        process.kill()
+        process.wait()
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("stop_at", ["last", "first"])
@@ -356,10 +468,10 @@ def test_refusals_and_failures_keep_their_meaning(answer: m.Refused | m.Failed, 
 
 
 def test_dead_after_is_inside_the_two_second_promise() -> None:
-    from api.stack.links import PING_INTERVAL_S
+    from api.stack.transport import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 
-    # The last answer came at most one ping before the death; silence is checked every ping.
-    assert DEAD_AFTER_S + PING_INTERVAL_S < 2.0
+    # A death is at most one heartbeat old when the next is sent, and the connection closes at its timeout.
+    assert DEAD_AFTER_S == HEARTBEAT_INTERVAL_S + HEARTBEAT_TIMEOUT_S < 2.0
 
 
 def test_routing_decisions_and_worker_load_reach_the_metrics() -> None:
