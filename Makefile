@@ -7,6 +7,13 @@ STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# The suite over every core: each file's tests (or a group's, tests/conftest.py)
+# on one pytest-xdist worker, so a server a module or group starts is started once.
+PARALLEL ?= -n auto --dist loadfile
+# Bytecode caches even where the shell turns them off: every test process,
+# server and stack role would otherwise compile every module from source, and
+# pytest rewrite each test module's asserts, again.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install serve test test-fast lint-imports clean
 
@@ -25,11 +32,11 @@ serve: install
 	$(BIN)/swallow serve --host $(HOST) --port $(PORT)
 
 test: install lint-imports
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PARALLEL) $(PYTEST_ARGS)
 
 # The unit tier: everything but the files tests/conftest.py names as integration.
 test-fast: install lint-imports
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
 
 # The import rules of .importlinter: layers, no cycles, the stack's roles apart.
 lint-imports: install

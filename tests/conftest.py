@@ -44,6 +44,10 @@ INTEGRATION_FILES = frozenset({
     "llm_core/test_warmup.py",
     "media/test_video.py",
 })
+# Files whose tests share a session-scoped fixture (a live server), by group.
+FIXTURE_GROUPS = {
+    "api/test_agent_api.py": "demo-server", "api/test_demo_routes.py": "demo-server",
+}
 _TESTS = Path(__file__).resolve().parent
 
 
@@ -61,6 +65,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.relative_to(_TESTS).as_posix() in INTEGRATION_FILES:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test`'s `--dist loadfile`: each file's tests on one worker, and the
+    files of one ``FIXTURE_GROUPS`` group too (their session fixture starts once)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return FIXTURE_GROUPS.get(path.removeprefix("tests/"), path)
+
+    return GroupedFileScheduling(config, log)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

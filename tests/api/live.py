@@ -11,9 +11,10 @@ import pytest
 
 from api.launch import RunningServer, ServerStartError, free_port, launch_server
 
-__all__ = ["LiveServer", "alive", "free_port", "live_server"]
+__all__ = ["DEMO", "LiveServer", "alive", "free_port", "live_server"]
 
 LiveServer = RunningServer
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 
 
 @contextmanager

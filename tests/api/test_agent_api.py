@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,7 @@ import torch
 from llm_core import LLM
 from llm_core.model.chat import ChatTemplate
 from llm_core.kv.kv_cache import ContiguousAttention, RequestKVCache, Segment
-from tests.api.live import LiveServer, live_server
-
-DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
+from tests.api.live import DEMO, LiveServer
 
 VIDEO_INFO = {
     "type": "function",
@@ -60,9 +57,8 @@ SHAPE_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    with live_server(DEMO) as running:
-        yield running
+def server(demo_server: LiveServer) -> LiveServer:
+    return demo_server
 
 
 @pytest.fixture(scope="module")

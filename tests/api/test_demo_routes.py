@@ -5,7 +5,6 @@ demo tool run on an uploaded file."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,15 +14,12 @@ import pytest
 from demo.samples import GALLERY
 from demo.tasks import make_sample
 from demo.tool_spec import tool_exchange
-from tests.api.live import live_server
-
-DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
+from tests.api.live import LiveServer
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    with live_server(DEMO) as running:
-        yield running.url
+def server(demo_server: LiveServer) -> str:
+    return demo_server.url
 
 
 def _upload(url: str, name: str, data: bytes, media_type: str) -> str:

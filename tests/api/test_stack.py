@@ -248,13 +248,13 @@ def _post_file(url: str, path: Path, question: str) -> httpx.Response:
                              ("m", (path.name, path.read_bytes()))])
 
 
-def test_ctrl_c_stops_every_process_and_frees_shared_memory(tmp_path: Path) -> None:
-    with launch_stack(DEMO, workers=1, encoders=1) as running:
-        pids = [role.pid for role in running.roles.values()]
-        store = running.store_name
-        assert store and Path(f"/dev/shm/{store}").exists()
-        os.kill(running.pid, signal.SIGINT)
-        _wait_until(lambda: not _alive(running.pid), 60, "the supervisor to exit")
+def test_ctrl_c_stops_every_process_and_frees_shared_memory(stack: RunningStack) -> None:
+    """The module's last test: it stops the stack the others used."""
+    pids = [role.current_pid() or role.pid for role in stack.roles.values()]
+    store = stack.store_name
+    assert store and Path(f"/dev/shm/{store}").exists()
+    os.kill(stack.pid, signal.SIGINT)
+    _wait_until(lambda: not _alive(stack.pid), 60, "the supervisor to exit")
     for pid in pids:
         assert not _alive(pid), f"process {pid} is still running"
     assert not list(Path("/dev/shm").glob(f"{store}*")), "the shared-memory store was left behind"
