@@ -161,18 +161,27 @@ class Supervisor:
     def _wait_healthy(self, processes: Sequence[_Process]) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         waiting = list(processes)
-        while waiting:
-            if self._stop.is_set():
-                raise KeyboardInterrupt
-            for process in list(waiting):
-                if _healthy(process.plan.health_url):
-                    waiting.remove(process)
-                elif process.proc is not None and process.proc.poll() is not None:
-                    raise RuntimeError(f"{process.plan.name} exited while starting:\n{_tail(process.log_path)}")
-            if time.monotonic() > deadline:
-                names = ", ".join(p.plan.name for p in waiting)
-                raise RuntimeError(f"{names} did not become healthy in {STARTUP_TIMEOUT_S:.0f} s")
-            time.sleep(0.2)
+        # One client for every poll: each new one loads the CA bundle (~60 ms of
+        # CPU), which the roles starting beside the supervisor need.
+        with httpx.Client(timeout=1.0) as client:
+            while waiting:
+                self._poll_health(client, waiting)
+                if not waiting:
+                    return
+                if time.monotonic() > deadline:
+                    names = ", ".join(p.plan.name for p in waiting)
+                    raise RuntimeError(f"{names} did not become healthy in {STARTUP_TIMEOUT_S:.0f} s")
+                time.sleep(0.2)
+
+    def _poll_health(self, client: httpx.Client, waiting: list[_Process]) -> None:
+        """Take every healthy role off ``waiting``; raise if one exited."""
+        if self._stop.is_set():
+            raise KeyboardInterrupt
+        for process in list(waiting):
+            if _healthy(client, process.plan.health_url):
+                waiting.remove(process)
+            elif process.proc is not None and process.proc.poll() is not None:
+                raise RuntimeError(f"{process.plan.name} exited while starting:\n{_tail(process.log_path)}")
 
     def _summary(self) -> str:
         roles = [p.plan.role for p in self.processes]
@@ -182,9 +191,9 @@ class Supervisor:
         return {p.plan.name: p.proc.pid for p in self.processes if p.proc is not None}
 
 
-def _healthy(url: str) -> bool:
+def _healthy(client: httpx.Client, url: str) -> bool:
     try:
-        return httpx.get(url, timeout=1.0).status_code == 200
+        return client.get(url).status_code == 200
     except httpx.HTTPError:
         return False
 

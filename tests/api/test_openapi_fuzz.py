@@ -55,7 +55,7 @@ VOCAB_SIZE = tiny().vocab_size
 MODEL_NAME = "fuzz-model"  # the checkpoint directory's name, which the server reports
 # Random examples per operation and generation mode (fuzzing phase), on top of the
 # coverage phase's boundary cases and the documented examples.
-MAX_EXAMPLES = 50
+MAX_EXAMPLES = 25
 
 # What `swallow serve` publishes: the API's paths and the demo's, mounted beside it.
 DOCUMENT = openapi_document(MODEL_NAME, VOCAB_SIZE, MAX_MODEL_LEN, (), [demo_openapi()])
