@@ -34,9 +34,10 @@ serve: install
 test: install lint-imports
 	$(BIN)/python -m pytest -q $(PARALLEL) $(PYTEST_ARGS)
 
-# The unit tier: everything but the files tests/conftest.py names as integration.
+# The unit tier: everything but the files tests/conftest.py names as integration (serial:
+# two workers would each spend longer collecting than the tier takes to run).
 test-fast: install lint-imports
-	$(BIN)/python -m pytest -q -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The import rules of .importlinter: layers, no cycles, the stack's roles apart.
 lint-imports: install

@@ -10,7 +10,6 @@ decides which machine of a cluster owns a key and ``EmbeddingCache`` asks it;
 from embedding_cache.cluster import EmbeddingCache, RemoteCacheNode, embedding_cache_routes
 from embedding_cache.keys import KEY_BYTES, key_hex, media_key
 from embedding_cache.ring import ConsistentHashRing
-from embedding_cache.service import MediaEmbedder, MediaEmbedderConfig
 from embedding_cache.store import SharedEmbeddingStore
 from embedding_cache.store_segment import DTYPE_CODES, MAX_NDIM, StoreLayoutError
 
@@ -29,3 +28,13 @@ __all__ = [
     "key_hex",
     "media_key",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The embedder needs media decoding and the encoders (torchvision): loaded on
+    # first use, so a process that only reads the store (a worker) never imports them.
+    if name in ("MediaEmbedder", "MediaEmbedderConfig"):
+        from embedding_cache import service
+
+        return getattr(service, name)
+    raise AttributeError(f"module 'embedding_cache' has no attribute {name!r}")

@@ -126,6 +126,10 @@ def test_aborts_during_transfer_leave_every_pool_at_capacity(stack: RunningStack
         os.kill(prefill_pid, signal.SIGCONT)
     assert aborted_in_transfer() == aborted + 1
     _wait_until(settled, 30, "the aborted requests to end on both workers")
+    # Frozen past the heartbeat timeout, the prefill worker left the API's routing; the API
+    # flushes the workers it routes to, so it must be back first.
+    _wait_until(lambda: httpx.get(f"{stack.url}/health", timeout=5).json()["workers"].get("worker-0"), 30,
+                "worker-0 to be routed to again")
     assert httpx.post(f"{stack.url}/flush_cache", timeout=60).status_code == 200
     for name in ("worker-0", "worker-1"):
         own = _worker_stats(stack, name)
