@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,22 +71,28 @@ class Supervisor:
         self.store_bytes = store_bytes
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="swallow-stack-"))
         self.processes = [_Process(role) for role in plan.roles]
-        self._stop = threading.Event()
+        # Set by SIGINT/SIGTERM. A plain flag: a signal handler runs between two
+        # bytecodes of the main thread, maybe inside a lock it holds (an Event's
+        # wait), and setting an Event there deadlocked the stop for good.
+        self._stopping = False
         self._store: SharedEmbeddingStore | None = None
 
     # ------------------------------------------------------------------ life
     def run(self) -> int:
         """Until SIGINT/SIGTERM; 0 on a clean stop."""
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: self._stop.set())
+            signal.signal(sig, self._on_stop_signal)
         try:
             self.start()
-            while not self._stop.is_set():
+            while not self._stopping:
                 self.check()
-                self._stop.wait(0.2)
+                time.sleep(0.2)
             return 0
         finally:
             self.stop()
+
+    def _on_stop_signal(self, signum: int, frame: object) -> None:
+        self._stopping = True
 
     def start(self) -> None:
         # The store outlives any one role: workers read what encoders wrote before a restart.
@@ -175,7 +180,7 @@ class Supervisor:
 
     def _poll_health(self, client: httpx.Client, waiting: list[_Process]) -> None:
         """Take every healthy role off ``waiting``; raise if one exited."""
-        if self._stop.is_set():
+        if self._stopping:
             raise KeyboardInterrupt
         for process in list(waiting):
             if _healthy(client, process.plan.health_url):
