@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,7 +22,7 @@ from api.stack.outbox import Outbox
 from api.stack.transport import parse_peers
 from llm_core.loading.checkpoint import write_random_checkpoint
 from llm_core.model.presets import tiny
-from tests.api.live import alive, live_server
+from tests.api.live import LiveServer, alive, live_server
 
 
 def _chunks(url: str, body: dict) -> list[dict]:
@@ -41,32 +42,45 @@ def no_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir
 
 
-def test_served_stream_sends_each_step_without_a_tokenizer(no_tokenizer: Path) -> None:
+@pytest.fixture(scope="module")
+def server(no_tokenizer: Path) -> Iterator[LiveServer]:
+    with live_server(no_tokenizer, "--speculative-tokens", "0") as running:
+        yield running
+
+
+def test_served_stream_sends_each_step_without_a_tokenizer(no_tokenizer: Path, server: LiveServer) -> None:
     assert not (no_tokenizer / "tokenizer.json").exists()
-    with live_server(no_tokenizer, "--speculative-tokens", "0") as server:
-        health = httpx.get(f"{server.url}/health", timeout=10).json()
-        assert health["role"] == "serve" and health["engine_core"] == {"engine-core": True}
-        body = {"prompt": list(range(3, 40)), "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        chunks = _chunks(server.url, body)
-        ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
-        assert len(ids) == 12
-        assert len(chunks) == 12  # one chunk per step, not one at the end
-        assert len({c["id"] for c in chunks}) == 1
-        whole = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": False}, timeout=120).json()
-        assert whole["choices"][0]["token_ids"] == ids
-        # Fresh stats: the requests just answered are counted.
-        stats = httpx.get(f"{server.url}/stats", timeout=10).json()
-        assert stats["prefix_cache"]["computed_prompt_tokens"] >= 37
-        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-        assert "swallow_recompiles_total 0.0" in metrics
-        core_pid = int(server.log().split("the engine core (pid ", 1)[1].split(")", 1)[0])
-        assert core_pid != server.pid and alive(core_pid)
-        os.kill(server.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while alive(core_pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not alive(core_pid)
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    assert health["role"] == "serve" and health["engine_core"] == {"engine-core": True}
+    body = {"prompt": list(range(3, 40)), "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    chunks = _chunks(server.url, body)
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert len(ids) == 12
+    assert len(chunks) == 12  # one chunk per step, not one at the end
+    assert len({c["id"] for c in chunks}) == 1
+    whole = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": False}, timeout=120).json()
+    assert whole["choices"][0]["token_ids"] == ids
+    # Fresh stats: the requests just answered are counted.
+    stats = httpx.get(f"{server.url}/stats", timeout=10).json()
+    assert stats["prefix_cache"]["computed_prompt_tokens"] >= 37
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert "swallow_recompiles_total 0.0" in metrics
+
+
+def _engine_core_pid(server: LiveServer) -> int:
+    """The server's engine core: its one `swallow worker` child process."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(fields[1]) == server.pid and fields[0] != "Z" and b"worker" in cmdline:
+            children.append(int(stat.parent.name))
+    assert len(children) == 1, children
+    return children[0]
 
 
 def test_engine_core_plan_is_one_worker_on_an_ipc_socket(tmp_path: Path) -> None:
@@ -115,18 +129,31 @@ def test_bad_ipc_addresses_are_refused(bad: str) -> None:
         parse_peers(bad)
 
 
-def test_a_dead_engine_core_is_started_again(no_tokenizer: Path) -> None:
-    with live_server(no_tokenizer, "--speculative-tokens", "0") as server:
-        core_pid = int(server.log().split("the engine core (pid ", 1)[1].split(")", 1)[0])
-        os.kill(core_pid, signal.SIGKILL)
-        states = []
-        deadline = time.monotonic() + 90
+def test_a_dead_engine_core_is_started_again(server: LiveServer) -> None:
+    core_pid = int(server.log().split("the engine core (pid ", 1)[1].split(")", 1)[0])
+    assert core_pid == _engine_core_pid(server)
+    os.kill(core_pid, signal.SIGKILL)
+    states = []
+    deadline = time.monotonic() + 90
+    with httpx.Client(timeout=10) as client:
         while time.monotonic() < deadline:
-            states.append(httpx.get(f"{server.url}/health", timeout=10).status_code)
+            states.append(client.get(f"{server.url}/health").status_code)
             if states[-1] == 200 and 503 in states:
                 break
             time.sleep(0.2)
-        assert 503 in states and states[-1] == 200  # unavailable while it was down, serving again after
-        body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
-        assert reply.status_code == 200 and len(reply.json()["choices"][0]["token_ids"]) == 4
+    assert 503 in states and states[-1] == 200  # unavailable while it was down, serving again after
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200 and len(reply.json()["choices"][0]["token_ids"]) == 4
+    assert _engine_core_pid(server) != core_pid
+
+
+def test_the_engine_core_stops_with_the_server(server: LiveServer) -> None:
+    """The module's last test: it stops the server the others used."""
+    core_pid = _engine_core_pid(server)
+    assert core_pid != server.pid and alive(core_pid)
+    os.kill(server.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while alive(core_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(core_pid)
