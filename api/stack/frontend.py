@@ -84,6 +84,12 @@ class WorkerLinks(LinkSet[m.WorkerPong]):
         if self._registered.get(pong.worker_id) == link.address:
             self.router.report_load(pong.worker_id, pong.queued_tokens, pong.running)
 
+    def on_orphans(self, link: Link[m.WorkerPong], request_ids: set[str]) -> None:
+        # Their clients were answered with a 503: nobody reads their tokens.
+        log.warning("%s is back; aborting the %d requests failed while it was away", link.name, len(request_ids))
+        for request_id in request_ids:
+            asyncio.create_task(self._send(link, m.Abort(request_id)))
+
     def on_message(self, link: Link[m.WorkerPong], message: object) -> None:
         if isinstance(message, m.StepOutputs):
             for output in message.outputs:

@@ -61,6 +61,8 @@ class Link(Generic[Pong]):
     # Until the monitor says otherwise: a handshake may finish before the monitor is attached.
     connected: bool = True
     waiting: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)  # request id -> its messages
+    # Requests failed here when the link went down: the service may still be working on them.
+    orphaned: set[str] = field(default_factory=set)
     monitor: zmq.asyncio.Socket | None = None  # the socket's connection events
     tasks: list[asyncio.Task[None]] = field(default_factory=list)  # its receiver and connection watcher
 
@@ -183,11 +185,16 @@ class LinkSet(Generic[Pong]):
         restarted = link.pong is not None and pong.incarnation != link.pong.incarnation
         if restarted and link.alive:
             self._set_down(link, f"{link.name} restarted")
+        if restarted:
+            link.orphaned.clear()  # a new incarnation holds nothing of the old one's
         link.pong, link.last_pong = pong, time.monotonic()
         if not link.alive:
             link.alive = True
             log.info("%s is up at %s", link.name, link.address)
             self.on_up(link)
+            if link.orphaned:
+                orphaned, link.orphaned = link.orphaned, set()
+                self.on_orphans(link, orphaned)
         self.on_pong(link)
 
     def _set_down(self, link: Link[Pong], why: str) -> None:
@@ -196,6 +203,7 @@ class LinkSet(Generic[Pong]):
         link.alive = False
         self.on_down(link)
         link.fail_waiting(ServiceDown(f"{why}; retry the request"))
+        link.orphaned.update(link.waiting)
         link.waiting.clear()
 
     # ----------------------------------------------------------------- hooks
@@ -207,6 +215,10 @@ class LinkSet(Generic[Pong]):
 
     def on_pong(self, link: Link[Pong]) -> None:
         pass
+
+    def on_orphans(self, link: Link[Pong], request_ids: set[str]) -> None:
+        """The service came back (the same incarnation) after its link went
+        down: ``request_ids`` were failed here then and may still run there."""
 
     def on_message(self, link: Link[Pong], message: object) -> None:
         request_id = getattr(message, "request_id", None)

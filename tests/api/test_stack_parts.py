@@ -349,6 +349,31 @@ def test_a_worker_connected_but_silent_past_the_hung_time_is_taken_down(monkeypa
     _run(body)
 
 
+def test_a_worker_back_from_a_down_link_is_told_to_abort_what_was_failed_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its streams ended with a 503 while it was away; it may still be running
+    them, and nobody reads their tokens."""
+    monkeypatch.setattr(links, "HUNG_AFTER_S", 1.0)
+
+    async def body(workers: list[FakeWorker]) -> None:
+        async for client, worker_links in _client(*workers):
+            target, rid, stream = await _admitted_stream(client, workers)
+            target.alive = False
+            with pytest.raises(EngineUnavailable, match="stopped answering"):
+                async for _ in stream:
+                    pass
+            assert not any(isinstance(x, m.Abort) for x in target.received)  # nothing reaches a down link
+            target.alive = True
+            await _until(lambda: any(isinstance(x, m.Abort) and x.request_id == rid for x in target.received), 5,
+                         "the abort of the failed request")
+            assert target.worker_id in client.router.workers
+            assert all(not link.orphaned for link in worker_links.links.values())
+            break
+
+    _run(body)
+
+
 def test_a_frozen_worker_process_leaves_routing_within_two_seconds_and_comes_back() -> None:
     """SIGSTOP freezes libzmq's threads too: heartbeats go unanswered."""
     script = ("import asyncio, sys; from tests.api.test_stack_parts import FakeWorker; "
