@@ -333,27 +333,12 @@ def test_a_worker_busy_past_the_dead_time_keeps_its_streams_and_its_place() -> N
     _run(body)
 
 
-def test_a_worker_connected_but_silent_past_the_hung_time_is_taken_down(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(links, "HUNG_AFTER_S", 1.0)
-
-    async def body(workers: list[FakeWorker]) -> None:
-        async for client, _ in _client(*workers):
-            target, _, stream = await _admitted_stream(client, workers)
-            target.alive = False
-            with pytest.raises(EngineUnavailable, match="stopped answering"):
-                async for _ in stream:
-                    pass
-            assert client.router.workers == [w.worker_id for w in workers if w is not target]
-            break
-
-    _run(body)
-
-
-def test_a_worker_back_from_a_down_link_is_told_to_abort_what_was_failed_meanwhile(
+def test_a_hung_worker_is_taken_down_and_told_on_its_return_to_abort_what_failed_meanwhile(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Its streams ended with a 503 while it was away; it may still be running
-    them, and nobody reads their tokens."""
+    """Connected but silent past the hung time: down, its stream a 503. When it
+    answers again (the same incarnation) it may still be running that request,
+    which nobody reads: the API aborts it there."""
     monkeypatch.setattr(links, "HUNG_AFTER_S", 1.0)
 
     async def body(workers: list[FakeWorker]) -> None:
@@ -363,6 +348,7 @@ def test_a_worker_back_from_a_down_link_is_told_to_abort_what_was_failed_meanwhi
             with pytest.raises(EngineUnavailable, match="stopped answering"):
                 async for _ in stream:
                     pass
+            assert client.router.workers == [w.worker_id for w in workers if w is not target]
             assert not any(isinstance(x, m.Abort) for x in target.received)  # nothing reaches a down link
             target.alive = True
             await _until(lambda: any(isinstance(x, m.Abort) and x.request_id == rid for x in target.received), 5,
