@@ -55,6 +55,7 @@ Pong = TypeVar("Pong", m.WorkerPong, m.EncoderPong)
 class Link(Generic[Pong]):
     address: str
     sock: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket  # the socket's connection events
     pong: Pong | None = None  # the last answer: who it is, its load
     last_pong: float = 0.0
     alive: bool = False
@@ -63,7 +64,6 @@ class Link(Generic[Pong]):
     waiting: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)  # request id -> its messages
     # Requests failed here when the link went down: the service may still be working on them.
     orphaned: set[str] = field(default_factory=set)
-    monitor: zmq.asyncio.Socket | None = None  # the socket's connection events
     tasks: list[asyncio.Task[None]] = field(default_factory=list)  # its receiver and connection watcher
 
     @property
@@ -132,8 +132,8 @@ class LinkSet(Generic[Pong]):
 
     def _add(self, address: str) -> None:
         assert self._context is not None
-        link: Link[Pong] = Link(address, connect_dealer(self._context, address, self.identity, heartbeats=True))
-        link.monitor = link.sock.get_monitor_socket(_CONNECTION_EVENTS)
+        sock = connect_dealer(self._context, address, self.identity, heartbeats=True)
+        link: Link[Pong] = Link(address, sock, sock.get_monitor_socket(_CONNECTION_EVENTS))
         link.tasks = [asyncio.create_task(self._receive(link)), asyncio.create_task(self._watch_connection(link))]
         self.links[address] = link
 
@@ -143,8 +143,7 @@ class LinkSet(Generic[Pong]):
         for task in link.tasks:
             task.cancel()
         link.sock.disable_monitor()
-        if link.monitor is not None:
-            link.monitor.close()
+        link.monitor.close()
         link.sock.close()
 
     # -------------------------------------------------------------- liveness
@@ -160,7 +159,6 @@ class LinkSet(Generic[Pong]):
             await asyncio.sleep(PING_INTERVAL_S)
 
     async def _watch_connection(self, link: Link[Pong]) -> None:
-        assert link.monitor is not None
         while True:
             event = parse_monitor_message(await link.monitor.recv_multipart())["event"]
             link.connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
