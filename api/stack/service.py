@@ -26,7 +26,9 @@ __all__ = ["HttpSide", "Peers", "ServiceSocket", "every", "install_stop_signals"
 log = logging.getLogger(__name__)
 
 # An API that has not pinged for this long is gone: its requests are aborted.
-PEER_TIMEOUT_S = 5.0
+# Far beyond a starved event loop: at 5 s a worker cancelled a live API's
+# stream on a loaded 2-core machine, and that API, never told, waited on it.
+PEER_TIMEOUT_S = 30.0
 
 
 class _QuietServer(uvicorn.Server):
