@@ -88,32 +88,26 @@ def _block(text: str) -> tuple[int, int]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from api.metrics import ServerMetrics
-    from api.server import create_app
-
     model_dir = Path(args.model) if args.model else ensure_default_model()
     options = server_options(args)
-    metrics = ServerMetrics()
-    core = None
-    if args.engine_core == "thread":
-        import torch
-
-        from api.runtime import ServingModel
-
-        if args.engine_threads:
-            torch.set_num_threads(args.engine_threads)
-        model: Any = ServingModel(model_dir, name=args.served_model_name, options=options, metrics=metrics,
-                                  **engine_options(args))
-    else:
-        from api.engine_core import EngineCoreFrontend
-
-        core = _start_engine_core(args, model_dir, options)
+    # The engine core loads its model while this process imports the HTTP side
+    # and builds its encoders: a start takes the longer of the two, not both.
+    core = _launch_engine_core(args, model_dir, options) if args.engine_core == "process" else None
     try:
-        if core is not None:
+        import uvicorn
+
+        from api.metrics import ServerMetrics
+        from api.server import create_app
+
+        metrics = ServerMetrics()
+        if core is None:
+            model = _embedded_model(args, model_dir, options, metrics)
+        else:
+            from api.engine_core_frontend import EngineCoreFrontend
+
             model = EngineCoreFrontend(model_dir, engine_core=core, name=args.served_model_name, options=options,
                                        metrics=metrics, device=args.device, dtype=args.dtype)
+            _wait_for_engine_core(core)
         print(f"Swallow is serving {model_dir} -- open http://{args.host}:{args.port}/ for the demo", flush=True)
         app = create_app(model, metrics, args.route_sets)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -123,22 +117,39 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_engine_core(args: argparse.Namespace, model_dir: Path, options: Any) -> Any:
-    """`serve`'s engine core, started and healthy (built and compiled)."""
-    import time
+def _embedded_model(args: argparse.Namespace, model_dir: Path, options: Any, metrics: Any) -> Any:
+    """`--engine-core thread`: the engine on a thread of this process."""
+    import torch
 
+    from api.runtime import ServingModel
+
+    if args.engine_threads:
+        torch.set_num_threads(args.engine_threads)
+    return ServingModel(model_dir, name=args.served_model_name, options=options, metrics=metrics,
+                        **engine_options(args))
+
+
+def _launch_engine_core(args: argparse.Namespace, model_dir: Path, options: Any) -> Any:
+    """`serve`'s engine core, started: loading (and compiling) its model."""
     from api.engine_core import EngineCoreProcess, default_engine_threads, engine_core_plan, new_store_name
 
     threads = args.engine_threads or default_engine_threads()
     plan = engine_core_plan(model_dir, engine_argv(args), store_name=options.embedding_cache_name or new_store_name(),
                             threads=threads, log_level=args.log_level, kv_disk_dir=args.kv_disk_dir)
     core = EngineCoreProcess(plan, options.embedding_cache_bytes, own_store=options.embedding_cache_name is None)
-    started = time.perf_counter()
     print(f"starting the engine core ({threads} torch threads; log in {core.supervisor.log_dir})", flush=True)
-    core.start()
-    pid = core.supervisor.pids()[plan.roles[0].name]
-    print(f"the engine core (pid {pid}) is ready in {time.perf_counter() - started:.1f} s", flush=True)
+    core.launch()
     return core
+
+
+def _wait_for_engine_core(core: Any) -> None:
+    """Until the engine core is healthy (built, and compiled)."""
+    import time
+
+    started = time.perf_counter()
+    core.wait_ready()
+    pid = core.supervisor.pids()[core.plan.roles[0].name]
+    print(f"the engine core (pid {pid}) is ready ({time.perf_counter() - started:.1f} s after the API)", flush=True)
 
 
 def _add_role_parsers(sub: Any, route_sets: Sequence[RouteSetFactory]) -> None:

@@ -9,6 +9,9 @@ for every request go to the API as one frame. Media embeddings travel by key
 through the shared-memory store the supervisor creates (the encoders here
 write it, the engine core reads it), never as tensors.
 
+This module is the process side, light to import: `serve` launches the
+child first, then imports its HTTP side and builds its encoders
+(``EngineCoreFrontend``, api/engine_core_frontend.py) while the child loads.
 The child reports healthy only once its engine is built -- with ``--compile``,
 once every graph serving uses is compiled -- so `serve` starts answering
 HTTP only then. A child that dies is started again; a stopping `serve` stops
@@ -22,19 +25,11 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
-from typing import Any
 
-from api.frontend import Embedder
-from api.metrics import ServerMetrics
-from api.options import ServerOptions
-from api.runtime import build_media, media_kinds
-from api.stack.frontend import StackFrontend
 from api.stack.plan import RolePlan, StackPlan, free_ports
 from api.stack.supervisor import Supervisor
-from embedding_cache import SharedEmbeddingStore
 
-__all__ = ["EngineCoreFrontend", "EngineCoreProcess", "default_engine_threads", "engine_core_plan",
-           "new_store_name"]
+__all__ = ["EngineCoreProcess", "default_engine_threads", "engine_core_plan", "new_store_name"]
 
 WORKER_ID = "engine-core"
 
@@ -80,7 +75,15 @@ class EngineCoreProcess:
 
     def start(self) -> None:
         """Returns once the engine core is healthy (built, and compiled)."""
-        self.supervisor.start()
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """The process started, loading its model; ``wait_ready`` waits for it."""
+        self.supervisor.launch()
+
+    def wait_ready(self) -> None:
+        self.supervisor.wait_started()
         self._watch = threading.Thread(target=self._keep_running, name="swallow-engine-core-watch", daemon=True)
         self._watch.start()
 
@@ -93,38 +96,6 @@ class EngineCoreProcess:
         if self._watch is not None:
             self._watch.join(timeout=5)
         self.supervisor.stop()
-
-
-class EngineCoreFrontend(StackFrontend):
-    """`serve`'s frontend over its engine-core process: the stack's API with
-    one worker, and the media encoders in this process, writing the store the
-    engine core reads."""
-
-    def __init__(self, model_dir: str | Path, *, engine_core: EngineCoreProcess, name: str | None = None,
-                 options: ServerOptions = ServerOptions(), metrics: ServerMetrics | None = None,
-                 device: str = "cpu", dtype: str = "float32") -> None:
-        # One worker: nothing to route on, so no prefix hashing per request.
-        super().__init__(model_dir, workers=engine_core.address, name=name, options=options, metrics=metrics,
-                         route_policy="round-robin")
-        self.engine_core = engine_core
-        self.store = SharedEmbeddingStore.attach(engine_core.plan.store_name)
-        self.media = build_media(self.model_dir, self.store, options, metrics, device, dtype)
-        if self.media is not None:
-            self._kinds = media_kinds(self.media.batcher.kinds, self.placeholder_ids)
-
-    @property
-    def embedder(self) -> Embedder | None:
-        return self.media.embedder if self.media is not None else None
-
-    def health(self) -> tuple[bool, dict[str, Any]]:
-        ready, detail = super().health()
-        return ready, {"role": "serve", "engine_core": detail["workers"]}
-
-    async def aclose(self) -> None:
-        await super().aclose()
-        if self.media is not None:
-            await self.media.aclose()
-        self.store.close()
 
 
 def new_store_name() -> str:

@@ -153,6 +153,8 @@ class ModelRunner:
         self.tier_io = tier_io
         self.attention_fn = resolve_attention(config.attention, device)
         self.decode_attention_fn = resolve_decode_attention(config.attention, device)
+        if config.compile:
+            kv.mark_static()
         self._decode_logits = compiled_decode_logits() if config.compile else decode_logits
         self._extend_hidden = compiled(extend_hidden) if config.compile else extend_hidden
         self.graphs = self._capture_graphs()

@@ -23,6 +23,7 @@ compiled engines counts each one's.
 from __future__ import annotations
 
 import random
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,9 +48,10 @@ class CompileCounter:
 
     @staticmethod
     def compiled() -> int:
-        from torch._dynamo.utils import counters
-
-        return int(counters["stats"]["unique_graphs"])
+        # Nothing has compiled in a process that never imported dynamo; importing
+        # it only to read 0 would add a second to every engine's start.
+        dynamo_utils = sys.modules.get("torch._dynamo.utils")
+        return 0 if dynamo_utils is None else int(dynamo_utils.counters["stats"]["unique_graphs"])
 
     def mark_ready(self) -> None:
         self._at_ready = self.compiled()

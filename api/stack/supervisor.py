@@ -95,12 +95,20 @@ class Supervisor:
         self._stopping = True
 
     def start(self) -> None:
+        self.launch()
+        self.wait_started()
+
+    def launch(self) -> None:
+        """The store made and every role spawned (an API once the rest is healthy);
+        ``wait_started`` waits for them: a caller can do its own work meanwhile."""
         # The store outlives any one role: workers read what encoders wrote before a restart.
         self._store = SharedEmbeddingStore.open(self.plan.store_name, self.store_bytes)
         for process in self.processes:
             if process.plan.role == "api":
                 self._wait_healthy([p for p in self.processes if p.plan.role != "api"])
             self._spawn(process)
+
+    def wait_started(self) -> None:
         self._wait_healthy(self.processes)
         if not self.announce:
             return

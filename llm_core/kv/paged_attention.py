@@ -454,10 +454,6 @@ class KVCacheTensors:
                             for i in self._layers}
         self._hidden = [torch.zeros(swa_slots + 1 + draft_slots, config.hidden_size, dtype=dtype, device=device)
                         for _ in range(draft_depths)]
-        # Pools never change size: a compiled forward guards on them as static
-        # tensors (cheap checks), not on symbolic sizes and strides.
-        for pool in (*(t for _, k, v in self._layers.values() for t in (k, v)), *self._hidden):
-            torch._dynamo.mark_static(pool)
         self.shapes = {
             "full_k": [len(config.full_layer_ids), full_rows, full.num_kv_heads, full.head_dim],
             "swa_k": [len(swa_layers), swa_slots + 1, swa.num_kv_heads, swa.head_dim],
@@ -468,6 +464,13 @@ class KVCacheTensors:
         self.full_bytes_per_token = len(config.full_layer_ids) * full.kv_elements_per_token * element
         self.swa_bytes_per_token = (len(swa_layers) * swa.kv_elements_per_token * element
                                     + draft_depths * config.hidden_size * hidden_element)
+
+    def mark_static(self) -> None:
+        """For a compiled forward: pools never change size, so it guards on them
+        as static tensors (cheap checks), not on symbolic sizes and strides.
+        Only an engine that compiles calls it: it imports torch._dynamo."""
+        for pool in (*(t for _, k, v in self._layers.values() for t in (k, v)), *self._hidden):
+            torch._dynamo.mark_static(pool)
 
     def layer(self, layer_idx: int) -> tuple[bool, torch.Tensor, torch.Tensor]:
         """(is_swa_pool, K, V) of one layer."""

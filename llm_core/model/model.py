@@ -113,7 +113,12 @@ class MiMoV2Model(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if not weight.is_meta:
+            # nn.Embedding's own init, done here: on the meta device (a checkpoint's
+            # load) its normal_ would import torch._dynamo, a second of every start.
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.num_mtp_layers:

@@ -40,6 +40,7 @@ def test_decode_forward_traces_whole_and_does_not_recompile(two_layer_checkpoint
     llm = LLM(two_layer_checkpoint)
     engine = llm.engine
     chunks = _in_decode(llm, PROMPTS)
+    engine.kv.mark_static()  # as a compiling engine does
     torch._dynamo.reset()
     compiled = compiled_decode_logits(backend="aot_eager")
     with torch.inference_mode():
@@ -58,6 +59,7 @@ def test_extend_forward_traces_whole_and_does_not_recompile(two_layer_checkpoint
     for prompt in PROMPTS:
         llm.add_request(prompt, SamplingParams(max_tokens=4))
     engine = llm.engine
+    engine.kv.mark_static()
     torch._dynamo.reset()
     traced = compiled(extend_hidden, backend="aot_eager")
     with torch.inference_mode():
