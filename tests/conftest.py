@@ -48,6 +48,17 @@ INTEGRATION_FILES = frozenset({
 FIXTURE_GROUPS = {
     "api/test_agent_api.py": "demo-server", "api/test_demo_routes.py": "demo-server",
 }
+# `make test` hands these out first, longest first (measured on 2 cores), then the
+# rest of the integration tier, then the unit tier: a worker that takes a long
+# file near the end would leave the other one idle until it is done.
+LONGEST_FILES = (
+    "llm_core/test_warmup.py", "api/test_openapi_fuzz.py", "bench/test_load.py", "demo/test_demo.py",
+    "llm_core/model/test_expert_parallel.py", "api/test_stack.py", "api/test_fp8_serving.py",
+    "llm_core/kv/test_kv_fp8.py", "api/test_disagg_stack.py", "llm_core/kv/test_triton_attention.py",
+    "demo/test_demo_world.py", "api/test_server.py", "api/test_chat_server.py", "llm_core/model/test_triton_fp8.py",
+    "api/test_engine_core.py", "api/test_agent_api.py", "api/test_demo_routes.py", "api/test_demo_page.py",
+    "embedding_cache/test_store.py", "bench/test_serve.py", "api/test_bad_input_corpus.py",
+)
 _TESTS = Path(__file__).resolve().parent
 
 
@@ -65,14 +76,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.relative_to(_TESTS).as_posix() in INTEGRATION_FILES:
             item.add_marker(pytest.mark.slow)
+    if config.getvalue("dist") == "loadfile":
+        items.sort(key=_file_rank)  # stable: each file's tests keep their order
+
+
+def _file_rank(item: pytest.Item) -> int:
+    path = item.path.relative_to(_TESTS).as_posix()
+    if path in LONGEST_FILES:
+        return LONGEST_FILES.index(path)
+    return len(LONGEST_FILES) + (path not in INTEGRATION_FILES)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`make test`'s `--dist loadfile`: each file's tests on one worker, and the
-    files of one ``FIXTURE_GROUPS`` group too (their session fixture starts once)."""
+    files of one ``FIXTURE_GROUPS`` group too (their session fixture starts once);
+    handed out in collection order."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False  # files in collection order (LONGEST_FILES first), not by test count
 
     class GroupedFileScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:

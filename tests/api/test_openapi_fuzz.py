@@ -150,7 +150,11 @@ CHECKS = [not_a_server_error, no_server_error_in_stream, status_code_conformance
 
 @pytest.fixture(scope="module")
 def short_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = dataclasses.replace(tiny(), max_position_embeddings=MAX_MODEL_LEN)
+    """Two layers (one full, one sliding) and no MTP layer: the fuzzing is of the
+    API, and its thousands of requests decode three times faster than on ``tiny``'s six."""
+    config = dataclasses.replace(tiny(), max_position_embeddings=MAX_MODEL_LEN, num_hidden_layers=2,
+                                 layer_types=("full", "sliding"), mlp_layer_types=("dense", "sparse"),
+                                 num_mtp_layers=0)
     return write_random_checkpoint(tmp_path_factory.mktemp("fuzz") / MODEL_NAME, config, seed=0)
 
 

@@ -383,7 +383,7 @@ def test_questions_name_the_shape() -> None:
 
 @pytest.mark.parametrize("task", ["video_direction", "describe"])
 def test_motion_is_visible_and_inside_the_frame(task: str) -> None:
-    samples = samples_of(task, 16)
+    samples = samples_of(task, 8)
     samples += samples_of(task, 4, fmt=MediaFormat(size=(48, 48), fps=11))  # the tightest
     for s in samples:
         shape = s.scene.shape
