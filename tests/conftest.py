@@ -48,16 +48,18 @@ INTEGRATION_FILES = frozenset({
 FIXTURE_GROUPS = {
     "api/test_agent_api.py": "demo-server", "api/test_demo_routes.py": "demo-server",
 }
-# `make test` hands these out first, longest first (measured on 2 cores), then the
+# `make test` hands these out first, longest first (measured in a fresh clone on 2
+# cores: the warm-up test compiles with a cold inductor cache there), then the
 # rest of the integration tier, then the unit tier: a worker that takes a long
 # file near the end would leave the other one idle until it is done.
 LONGEST_FILES = (
-    "llm_core/test_warmup.py", "api/test_openapi_fuzz.py", "bench/test_load.py", "demo/test_demo.py",
-    "llm_core/model/test_expert_parallel.py", "api/test_stack.py", "api/test_fp8_serving.py",
-    "llm_core/kv/test_kv_fp8.py", "api/test_disagg_stack.py", "llm_core/kv/test_triton_attention.py",
-    "demo/test_demo_world.py", "api/test_server.py", "api/test_chat_server.py", "llm_core/model/test_triton_fp8.py",
-    "api/test_engine_core.py", "api/test_agent_api.py", "api/test_demo_routes.py", "api/test_demo_page.py",
-    "embedding_cache/test_store.py", "bench/test_serve.py", "api/test_bad_input_corpus.py",
+    "llm_core/test_warmup.py", "bench/test_load.py", "api/test_openapi_fuzz.py", "api/test_stack.py",
+    "api/test_disagg_stack.py", "llm_core/kv/test_triton_attention.py", "api/test_fp8_serving.py",
+    "llm_core/model/test_triton_fp8.py", "demo/test_demo.py", "llm_core/model/test_expert_parallel.py",
+    "demo/test_demo_world.py", "api/test_demo_page.py", "api/test_agent_api.py", "api/test_demo_routes.py",
+    "api/test_server.py", "api/test_chat_server.py", "embedding_cache/test_store.py", "bench/test_serve.py",
+    "llm_core/kv/test_kv_fp8.py", "llm_core/cluster/test_kv_transport.py", "api/test_bad_input_corpus.py",
+    "llm_core/kv/tiers/test_kv_transfer.py", "api/test_stack_parts.py", "api/test_engine_core.py",
 )
 _TESTS = Path(__file__).resolve().parent
 
@@ -76,7 +78,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.relative_to(_TESTS).as_posix() in INTEGRATION_FILES:
             item.add_marker(pytest.mark.slow)
-    if config.getvalue("dist") == "loadfile":
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its order is the one files are handed out in
         items.sort(key=_file_rank)  # stable: each file's tests keep their order
 
 
