@@ -161,8 +161,9 @@ def test_the_model_on_fp8_gemms(tf: ModuleType, tmp_path: Path) -> None:
     kernels, exact = _logits(llm, prompt), _logits(dense, prompt)
     assert ((kernels - exact).norm() / exact.norm()).item() < GEMM_PATH_RELATIVE_ERROR
     assert (kernels.argmax(-1) == exact.argmax(-1)).float().mean().item() > GEMM_PATH_TOP1_AGREEMENT
-    out = llm.generate([prompt[:20]], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert len(out[0].token_ids) == 4
+    # A prefill and a decode step (each interpreted launch is slow on CPU).
+    out = llm.generate([prompt[:20]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].token_ids) == 2
 
 
 def test_quantization_fp8_needs_fp8_gemms(tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
