@@ -73,16 +73,12 @@ class EngineCoreProcess:
     def address(self) -> str:
         return self.plan.roles[0].address
 
-    def start(self) -> None:
-        """Returns once the engine core is healthy (built, and compiled)."""
-        self.launch()
-        self.wait_ready()
-
     def launch(self) -> None:
         """The process started, loading its model; ``wait_ready`` waits for it."""
         self.supervisor.launch()
 
     def wait_ready(self) -> None:
+        """Returns once the engine core is healthy (built, and compiled)."""
         self.supervisor.wait_started()
         self._watch = threading.Thread(target=self._keep_running, name="swallow-engine-core-watch", daemon=True)
         self._watch.start()

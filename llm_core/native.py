@@ -42,14 +42,19 @@ def build(name: str, sources: tuple[str, ...], what: str, *, ops_library: bool =
         return None
     library = directory / f"{name}.so"
     if _stamp_of(library) == recipe:
-        return _load(name, library, ops_library)
+        try:
+            return _load(name, library, ops_library)
+        except (OSError, ImportError) as exc:  # a damaged file: torch's loader builds it again
+            log.warning("the stamped C++ %s did not load (%s); building it again", what, exc)
     try:
         built = cpp_extension.load(name=name, sources=[str(CSRC / s) for s in sources], extra_cflags=list(cflags),
                                    extra_ldflags=list(ldflags), is_python_module=not ops_library, verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure leaves the torch path
         log.warning("the C++ %s did not build (%s); using the torch path", what, exc)
         return None
-    if library.exists():  # torch names a rebuild within one process name_v1: left unstamped
+    # torch names a rebuild within one process name_v1: only the file it loaded is stamped.
+    loaded = built if isinstance(built, str) else getattr(built, "__file__", None)
+    if loaded is not None and Path(loaded) == library:
         _write_stamp(library, recipe)
     return built
 

@@ -82,11 +82,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=_file_rank)  # stable: each file's tests keep their order
 
 
+_LONGEST_RANK = {path: rank for rank, path in enumerate(LONGEST_FILES)}
+
+
 def _file_rank(item: pytest.Item) -> int:
     path = item.path.relative_to(_TESTS).as_posix()
-    if path in LONGEST_FILES:
-        return LONGEST_FILES.index(path)
-    return len(LONGEST_FILES) + (path not in INTEGRATION_FILES)
+    return _LONGEST_RANK.get(path, len(LONGEST_FILES) + (path not in INTEGRATION_FILES))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

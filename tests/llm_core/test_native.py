@@ -38,3 +38,22 @@ def test_a_stamped_build_loads_without_torchs_loader(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(cpp_extension, "load", no_build)
     path = native.build("swallow_cpu_kernels", cpu_kernels._SOURCES, "CPU kernels", ops_library=True)
     assert isinstance(path, str) and Path(path).exists()
+
+
+def test_a_stamped_file_that_does_not_load_is_built_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils import cpp_extension
+
+    name, sources, flags = "swallow_damaged", ("kv_page_copy.cpp",), ("-O3",)
+    library = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+    library.write_bytes(b"not a shared library")
+    native._write_stamp(library, native._recipe(sources, flags, ()))
+    rebuilt: list[str] = []
+
+    def build_again(**kwargs: object) -> str:
+        rebuilt.append(str(kwargs["name"]))
+        return "rebuilt"
+
+    monkeypatch.setattr(cpp_extension, "load", build_again)
+    assert native.build(name, sources, "damaged", ops_library=True, cflags=flags, ldflags=()) == "rebuilt"
+    assert rebuilt == [name]
