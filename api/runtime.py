@@ -9,13 +9,13 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.chat import MediaRef
 from api.engine_loop import AsyncEngine
 from api.metrics import ServerMetrics
 from api.options import ServerOptions
-from embedding_cache import EmbeddingCache, MediaEmbedder, MediaEmbedderConfig, SharedEmbeddingStore
+from embedding_cache import EmbeddingCache, SharedEmbeddingStore
 from encoders import BatcherConfig, EncoderBatcher
 from encoders.multimodal_checkpoint import encoder_kinds, load_encoders, placeholder_token_ids
 from llm_core import LLM
@@ -24,6 +24,9 @@ from llm_core.model.multimodal import MediaEmbedding
 from llm_core.device import compute_dtype
 from llm_core.model.tokenizer import Tokenizer
 from media import VIDEO_PREPROCESS, MediaLimits, VisionPreprocessConfig
+
+if TYPE_CHECKING:
+    from embedding_cache import MediaEmbedder, MediaEmbedderConfig
 
 __all__ = ["LocalEmbedder", "LocalMedia", "ServingModel", "build_media", "media_config",
            "media_kinds"]
@@ -34,6 +37,10 @@ def media_config(model_dir: Path, limits: MediaLimits, device: str = "cpu") -> M
     """Image/video preprocessing from ``preprocessor_config.json`` (Qwen2-VL field names,
     plus ``video_min_pixels``/``video_max_pixels``/``video_fps``/``video_max_frames``),
     run on ``device``, the encoders'."""
+    # Imported here: the embedder brings media decoding (torchvision), which a
+    # text-only model's server never needs.
+    from embedding_cache import MediaEmbedderConfig
+
     path = model_dir / "preprocessor_config.json"
     raw: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     shared = {
@@ -119,6 +126,8 @@ def media_pipeline(model_dir: Path, cache: SharedEmbeddingStore | EmbeddingCache
     on_batch = metrics.observe_encoder_batch if metrics is not None else None
     batcher = EncoderBatcher(encoders, BatcherConfig(), on_batch=on_batch)
     limits = MediaLimits(max_file_bytes=max_file_bytes)
+    from embedding_cache import MediaEmbedder  # media decoding: see media_config
+
     return batcher, MediaEmbedder(batcher, cache, media_config(model_dir, limits, device))
 
 

@@ -20,7 +20,8 @@ from torchvision import transforms
 from torchvision.transforms import InterpolationMode
 
 from media.image import load_images_batch
-from media.vision_preprocess import ImageBatch, VisionPreprocessConfig, smart_resize
+from media.vision_geometry import VisionPreprocessConfig, smart_resize
+from media.vision_preprocess import ImageBatch
 
 
 def _make_jpegs(num_images: int, seed: int) -> list[bytes]:

@@ -1,18 +1,46 @@
 """Hybrid-SWA MoE LLM core: model, KV management, scheduling, generation."""
 
-from llm_core.model.config import AttentionSpec, ConfigError, ModelConfig
-from llm_core.llm import LLM, RequestOutput
-from llm_core.model.multimodal import MultimodalSpan
-from llm_core.sample.sampling import SamplingParams
-from llm_core.loading.weights import CheckpointError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llm_core.llm import LLM, RequestOutput
+    from llm_core.loading.weights import CheckpointError
+    from llm_core.model.config import AttentionSpec, ConfigError, ModelConfig
+    from llm_core.model.multimodal import MultimodalSpan
+    from llm_core.sample.sampling import SamplingParams
+
+# Where each public name lives. They are loaded on first use: a process that needs
+# only the torch-free parts (the router, a command's parser) never imports torch.
+_EXPORTS = {
+    "LLM": "llm_core.llm",
+    "RequestOutput": "llm_core.llm",
+    "CheckpointError": "llm_core.loading.weights",
+    "AttentionSpec": "llm_core.model.config",
+    "ConfigError": "llm_core.model.config",
+    "ModelConfig": "llm_core.model.config",
+    "MultimodalSpan": "llm_core.model.multimodal",
+    "SamplingParams": "llm_core.sample.sampling",
+}
 
 __all__ = [
-    "LLM",
     "AttentionSpec",
     "CheckpointError",
     "ConfigError",
+    "LLM",
     "ModelConfig",
     "MultimodalSpan",
     "RequestOutput",
     "SamplingParams",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llm_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -28,9 +28,9 @@ from media.image_decode import (
     short_error,
     with_index,
 )
+from media.vision_geometry import VisionPreprocessConfig
 from media.vision_preprocess import (
     ImageBatch,
-    VisionPreprocessConfig,
     empty_batch,
     pack,
     resize_torchvision,

@@ -108,3 +108,23 @@ def test_the_prefill_batch_limit_defaults_by_device_and_reaches_the_engine_core(
     assert forwarded[forwarded.index("--prefill-batch-tokens") + 1] == "512"
     with pytest.raises(SystemExit, match="0 or more"):
         engine_options(parser.parse_args(["serve", "--prefill-batch-tokens", "-1"]))
+
+
+def test_commands_start_without_what_they_do_not_use() -> None:
+    # Every process of a server or a stack builds the command line first: it
+    # must not import torch (seconds of every start), and a text-only server
+    # must not import the media decoders (torchvision, and through it dynamo).
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from swallow.cli import build_parser\n"
+        "build_parser()\n"
+        "assert 'torch' not in sys.modules, 'the parser imported torch'\n"
+        "import api.server, api.engine_core, api.engine_core_frontend, api.stack.worker\n"
+        "assert 'torchvision' not in sys.modules, 'the text-only serving path imported torchvision'\n"
+        "assert 'torch._dynamo' not in sys.modules, 'the serving path imported dynamo'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -13,7 +13,8 @@ import torch
 from encoders.vision import VisionEncoder, VisionEncoderConfig, VisionInput, load_vision_encoder
 from llm_core.model.config import ConfigError
 from llm_core.loading.weights import CheckpointError
-from media.vision_preprocess import VisionPreprocessConfig, preprocess_images
+from media.vision_geometry import VisionPreprocessConfig
+from media.vision_preprocess import preprocess_images
 
 # Tiny tower: window_size 56 is 2x2 merge units, so the grids below have full and partial
 # windows, and blocks 1 and 3 attend to whole frames.

@@ -16,7 +16,8 @@ from PIL import Image, ImageDraw, ImageOps
 from media.errors import MediaError, MediaLimits
 from media.image import load_images_batch
 from media.image_decode import load_image, probe_image
-from media.vision_preprocess import ImageBatch, VisionPreprocessConfig, preprocess_images, smart_resize
+from media.vision_geometry import VisionPreprocessConfig, smart_resize
+from media.vision_preprocess import ImageBatch, preprocess_images
 
 # Tolerances on pixel_values (normalised units: one uint8 level is ~0.015). Measured on
 # this file's images, then given some headroom:
