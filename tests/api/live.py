@@ -7,14 +7,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from api.launch import RunningServer, ServerStartError, free_port, launch_server
 
-__all__ = ["DEMO", "LiveServer", "alive", "free_port", "live_server"]
+__all__ = ["DEMO", "HTTP", "LiveServer", "alive", "free_port", "live_server"]
 
 LiveServer = RunningServer
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
+# One client for the live tests' plain requests (thread-safe, keeps connections):
+# each new httpx client builds an SSL context, ~60 ms of CPU, and the suite sends
+# hundreds of requests.
+HTTP = httpx.Client()
 
 
 @contextmanager

@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 from llm_core import LLM
 from llm_core.model.chat import ChatTemplate
 from llm_core.kv.kv_cache import ContiguousAttention, RequestKVCache, Segment
-from tests.api.live import DEMO, LiveServer
+from tests.api.live import DEMO, HTTP, LiveServer
 
 VIDEO_INFO = {
     "type": "function",
@@ -143,7 +142,7 @@ def test_tool_choice_none_and_bad_tools_are_handled(client, server: LiveServer) 
     ]
     for fields in bad:
         body = {"model": "demo", "messages": _ask("hi"), "max_tokens": 4} | fields
-        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        response = HTTP.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 400, (fields, response.text)
         assert response.json()["error"]["message"]
 
@@ -303,7 +302,7 @@ def test_logprobs_are_the_models_log_softmax(client, server: LiveServer) -> None
     prompt = llm.tokenizer.encode(ChatTemplate.from_model_dir(DEMO).render(messages))
     chat = client.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0,
                                           logprobs=True, top_logprobs=3).choices[0]
-    completion = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+    completion = HTTP.post(f"{server.url}/v1/completions", timeout=60, json={
         "model": "demo", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3}).json()["choices"][0]
     tokens = completion["token_ids"]
     expected = _forward_logprobs(llm, prompt + tokens, len(prompt))
@@ -324,12 +323,12 @@ def test_logprobs_are_the_models_log_softmax(client, server: LiveServer) -> None
 
 
 def test_n_choices_share_one_prefill(client, server: LiveServer) -> None:  # noqa: ANN001
-    httpx.post(f"{server.url}/flush_cache", timeout=60)
-    before = httpx.get(f"{server.url}/stats", timeout=60).json()["prefix_cache"]
+    HTTP.post(f"{server.url}/flush_cache", timeout=60)
+    before = HTTP.get(f"{server.url}/stats", timeout=60).json()["prefix_cache"]
     question = "Describe everything you see and hear in this long question about a shape, please. " * 3
     reply = client.chat.completions.create(model="demo", messages=_ask(question), n=4, max_tokens=12,
                                            temperature=1.0, seed=7)
-    after = httpx.get(f"{server.url}/stats", timeout=60).json()["prefix_cache"]
+    after = HTTP.get(f"{server.url}/stats", timeout=60).json()["prefix_cache"]
     prompt = reply.usage.prompt_tokens
     assert [c.index for c in reply.choices] == [0, 1, 2, 3]
     assert 4 <= reply.usage.completion_tokens <= 4 * 12

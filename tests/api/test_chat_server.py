@@ -22,7 +22,7 @@ from api.models import write_random_multimodal
 from llm_core import LLM, SamplingParams
 from llm_core.model.chat import ChatTemplate
 from llm_core.model.presets import tiny
-from tests.api.live import LiveServer, live_server
+from tests.api.live import HTTP, LiveServer, live_server
 
 API_KEY = "sk-test-key"
 
@@ -90,7 +90,7 @@ def _offline_reply(checkpoint: Path, text: str, max_tokens: int) -> str:
 
 
 def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = HTTP.get(f"{url}/metrics", timeout=10).text
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -186,7 +186,7 @@ def test_multipart_video_upload_streams_to_disk(server: LiveServer, tmp_path: Pa
     try:
         with Upload(video, "rb") as f:  # httpx streams an open file in chunks
             files = {"request": (None, json.dumps(body), "application/json"), "clip": ("clip.mp4", f, "video/mp4")}
-            r = httpx.post(f"{server.url}/v1/chat/completions", files=files, timeout=300)
+            r = HTTP.post(f"{server.url}/v1/chat/completions", files=files, timeout=300)
     finally:
         sent_all.set()
         sampler.join()
@@ -204,24 +204,24 @@ def test_multipart_video_upload_streams_to_disk(server: LiveServer, tmp_path: Pa
 
 
 def test_files_api_upload_once_use_twice(server: LiveServer) -> None:
-    up = httpx.post(f"{server.url}/v1/files", files={"file": ("pic.png", _png(5), "image/png")},
+    up = HTTP.post(f"{server.url}/v1/files", files={"file": ("pic.png", _png(5), "image/png")},
                     data={"purpose": "user_data"}, timeout=60)
     assert up.status_code == 200, up.text
     file_id = up.json()["id"]
     assert file_id.startswith("file-") and up.json()["bytes"] == len(_png(5))
-    assert httpx.get(f"{server.url}/v1/files/{file_id}").json()["filename"] == "pic.png"
+    assert HTTP.get(f"{server.url}/v1/files/{file_id}").json()["filename"] == "pic.png"
     image_hits = ("swallow_embedding_cache_requests_total", (("kind", "image"), ("result", "hit")))
     hits_before = _metrics(server.url).get(image_hits, 0.0)
     body = {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what colour?"}, {"type": "file", "file": {"file_id": file_id}}]}],
         "max_tokens": 4, "temperature": 0}
-    first = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
-    second = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+    first = HTTP.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+    second = HTTP.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
     assert first["choices"][0]["message"] == second["choices"][0]["message"]
     hits_after = _metrics(server.url)[image_hits]
     assert hits_after >= hits_before + 1  # the second request skipped preprocessing and the encoder
     assert httpx.delete(f"{server.url}/v1/files/{file_id}").json()["deleted"] is True
-    gone = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    gone = HTTP.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     assert gone.status_code == 400 and file_id in gone.json()["error"]["message"]
 
 
@@ -241,7 +241,7 @@ def test_audio_and_video_parts(server: LiveServer, tmp_path: Path) -> None:
         {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}},
         {"type": "video_url", "video_url": {"url": _data_url(clip, "video/mp4")}},
     ]
-    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+    r = HTTP.post(f"{server.url}/v1/chat/completions", timeout=120,
                    json={"messages": [{"role": "user", "content": content}], "max_tokens": 4})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] > 30
@@ -249,23 +249,23 @@ def test_audio_and_video_parts(server: LiveServer, tmp_path: Path) -> None:
 
 def _chat(url: str, content: object, **extra: object) -> httpx.Response:
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4} | extra
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
+    return HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=60,
                       headers={"authorization": f"Bearer {API_KEY}"})
 
 
 def _still_serving(server: LiveServer) -> None:
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert HTTP.get(f"{server.url}/health", timeout=10).status_code == 200
     ok = _chat(server.url, "hello")
     assert ok.status_code == 200, ok.text
 
 
 def test_api_key(strict_server: LiveServer) -> None:
     url = strict_server.url
-    missing = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    missing = HTTP.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert missing.status_code == 401 and "missing API key" in missing.json()["error"]["message"]
-    wrong = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer nope"})
+    wrong = HTTP.get(f"{url}/v1/models", headers={"authorization": "Bearer nope"})
     assert wrong.status_code == 401 and "invalid API key" in wrong.json()["error"]["message"]
-    assert httpx.get(f"{url}/health").status_code == 200  # health checks need no key
+    assert HTTP.get(f"{url}/health").status_code == 200  # health checks need no key
     _still_serving(strict_server)
 
 
@@ -304,13 +304,13 @@ def test_errors_have_status_and_reason(
 def test_bad_json_and_upload_limits(strict_server: LiveServer) -> None:
     url, auth = strict_server.url, {"authorization": f"Bearer {API_KEY}"}
     json_headers = auth | {"content-type": "application/json"}
-    bad = httpx.post(f"{url}/v1/chat/completions", content=b"{nope", headers=json_headers)
+    bad = HTTP.post(f"{url}/v1/chat/completions", content=b"{nope", headers=json_headers)
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
 
     status, sent = _upload_until_answered(url, total=8 << 20)
     assert status.startswith("HTTP/1.1 413"), status
     assert sent < 8 << 20  # refused while the body was still arriving, not after
-    unsupported = httpx.post(f"{url}/v1/files", headers=auth, files={"file": ("notes.txt", b"plain text " * 50)})
+    unsupported = HTTP.post(f"{url}/v1/files", headers=auth, files={"file": ("notes.txt", b"plain text " * 50)})
     assert unsupported.status_code == 415 and "unsupported media type" in unsupported.json()["error"]["message"]
     _still_serving(strict_server)
 
@@ -332,11 +332,11 @@ def test_bodies_over_the_limit_reach_the_client_as_413(strict_server: LiveServer
 def test_too_deep_json_is_400(strict_server: LiveServer) -> None:
     url, auth = strict_server.url, {"authorization": f"Bearer {API_KEY}"}
     deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    as_body = httpx.post(f"{url}/v1/chat/completions", content=deep,
+    as_body = HTTP.post(f"{url}/v1/chat/completions", content=deep,
                          headers=auth | {"content-type": "application/json"}, timeout=60)
     assert as_body.status_code == 400
     assert as_body.json()["error"]["message"] == "request body is not valid JSON: it nests too deeply"
-    as_part = httpx.post(f"{url}/v1/chat/completions", files={"request": (None, deep, "application/json")},
+    as_part = HTTP.post(f"{url}/v1/chat/completions", files={"request": (None, deep, "application/json")},
                          headers=auth, timeout=60)
     assert as_part.status_code == 400
     assert as_part.json()["error"]["message"] == "the 'request' part is not valid JSON: it nests too deeply"
@@ -349,14 +349,14 @@ def test_multipart_parts_that_are_not_what_they_claim(strict_server: LiveServer)
     def send(filename: str, data: bytes) -> httpx.Response:
         body = {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "clip"}}]}]}
         files = {"request": (None, json.dumps(body), "application/json"), "clip": (filename, data)}
-        return httpx.post(f"{url}/v1/chat/completions", files=files, headers=auth, timeout=60)
+        return HTTP.post(f"{url}/v1/chat/completions", files=files, headers=auth, timeout=60)
 
     random_mp4 = send("clip.mp4", np.random.default_rng(0).bytes(4096))
     assert random_mp4.status_code == 400, random_mp4.text
     assert "is not a valid video (declared video/mp4)" in random_mp4.json()["error"]["message"]
     empty = send("clip.mp4", b"")
     assert empty.status_code == 400 and "is empty" in empty.json()["error"]["message"]
-    upload = httpx.post(f"{url}/v1/files", headers=auth, files={"file": ("clip.mp4", b"")})
+    upload = HTTP.post(f"{url}/v1/files", headers=auth, files={"file": ("clip.mp4", b"")})
     assert upload.status_code == 400 and "is empty" in upload.json()["error"]["message"]
     _still_serving(strict_server)
 

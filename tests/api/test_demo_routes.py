@@ -14,7 +14,7 @@ import pytest
 from demo.samples import GALLERY
 from demo.tasks import make_sample
 from demo.tool_spec import tool_exchange
-from tests.api.live import LiveServer
+from tests.api.live import HTTP, LiveServer
 
 
 @pytest.fixture(scope="module")
@@ -23,31 +23,31 @@ def server(demo_server: LiveServer) -> str:
 
 
 def _upload(url: str, name: str, data: bytes, media_type: str) -> str:
-    response = httpx.post(f"{url}/v1/files", files={"file": (name, data, media_type)}, timeout=60)
+    response = HTTP.post(f"{url}/v1/files", files={"file": (name, data, media_type)}, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()["id"]
 
 
 def test_gallery_lists_and_serves_every_sample(server: str) -> None:
-    gallery = httpx.get(f"{server}/demo/samples", timeout=60).json()
+    gallery = HTTP.get(f"{server}/demo/samples", timeout=60).json()
     assert [s["name"] for s in gallery["samples"]] == [spec.name for spec in GALLERY]
     for sample in gallery["samples"]:
-        response = httpx.get(f"{server}/{sample['url']}", timeout=60)
+        response = HTTP.get(f"{server}/{sample['url']}", timeout=60)
         assert response.status_code == 200
         assert response.headers["content-type"].startswith(sample["media_type"])
         assert len(response.content) == sample["bytes"]
     assert set(gallery["questions_by_kind"]) == {"video", "image", "audio"}
-    missing = httpx.get(f"{server}/demo/samples/nope", timeout=10)
+    missing = HTTP.get(f"{server}/demo/samples/nope", timeout=10)
     assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
 
 
 def test_second_question_about_a_clip_reports_both_caches(server: str) -> None:
-    clip = httpx.get(f"{server}/demo/samples/moving-shape", timeout=60).content
+    clip = HTTP.get(f"{server}/demo/samples/moving-shape", timeout=60).content
     file_id = _upload(server, "clip.mp4", clip, "video/mp4")
 
     def ask(question: str) -> httpx.Response:
         content = [{"type": "file", "file": {"file_id": file_id}}, {"type": "text", "text": question}]
-        return httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        return HTTP.post(f"{server}/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": content}], "max_tokens": 30, "temperature": 0})
 
     first = ask("Which way does the shape move?")
@@ -55,7 +55,7 @@ def test_second_question_about_a_clip_reports_both_caches(server: str) -> None:
     second = ask("Describe the video.")
     assert second.headers["x-swallow-media-cache"] == "hits=1; items=1"
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    summary = httpx.get(f"{server}/metrics/summary", timeout=10).json()
+    summary = HTTP.get(f"{server}/metrics/summary", timeout=10).json()
     assert summary["embedding_cache_hits"] >= 1 and summary["prefix_cache_cached_tokens"] > 0
     assert summary["kv_bytes_full_attention"] >= summary["kv_bytes_in_use"] > 0
     assert summary["kv_capacity_gain"] > 2
@@ -68,7 +68,7 @@ def test_the_demo_tool_reads_an_uploaded_video(server: str, tmp_path: Path, prop
     sample = make_sample(np.random.default_rng(5), "video_info")
     (path,) = write_media(sample, tmp_path, "clip")
     file_id = _upload(server, path.name, path.read_bytes(), "video/mp4")
-    response = httpx.post(f"{server}/demo/tools/get_video_info", timeout=60,
+    response = HTTP.post(f"{server}/demo/tools/get_video_info", timeout=60,
                           json={"file_id": file_id, "arguments": {"property": prop}})
     assert response.status_code == 200, response.text
     # What the model was trained to read back for this file.
@@ -76,9 +76,9 @@ def test_the_demo_tool_reads_an_uploaded_video(server: str, tmp_path: Path, prop
 
 
 def test_the_demo_tool_refuses_bad_calls(server: str) -> None:
-    clip = httpx.get(f"{server}/demo/samples/moving-shape", timeout=60).content
+    clip = HTTP.get(f"{server}/demo/samples/moving-shape", timeout=60).content
     video = _upload(server, "clip.mp4", clip, "video/mp4")
-    picture = _upload(server, "p.png", httpx.get(f"{server}/demo/samples/picture", timeout=60).content, "image/png")
+    picture = _upload(server, "p.png", HTTP.get(f"{server}/demo/samples/picture", timeout=60).content, "image/png")
     cases = [
         ("get_video_info", {"file_id": video, "arguments": {"property": "codec"}}, 400, "property"),
         ("get_video_info", {"file_id": video, "arguments": {}}, 400, "property"),
@@ -88,11 +88,11 @@ def test_the_demo_tool_refuses_bad_calls(server: str) -> None:
         ("get_weather", {"file_id": video, "arguments": {"city": "Paris"}}, 404, "get_weather"),
     ]
     for tool, body, status, reason in cases:
-        response = httpx.post(f"{server}/demo/tools/{tool}", json=body, timeout=60)
+        response = HTTP.post(f"{server}/demo/tools/{tool}", json=body, timeout=60)
         assert response.status_code == status, (body, response.text)
         assert reason in response.json()["error"]["message"], response.text
-    not_video = httpx.post(f"{server}/demo/tools/get_video_info", timeout=60,
+    not_video = HTTP.post(f"{server}/demo/tools/get_video_info", timeout=60,
                            json={"file_id": picture, "arguments": {"property": "width"}})
     assert 400 <= not_video.status_code < 500 and not_video.json()["error"]["message"]
-    assert json.loads(httpx.post(f"{server}/demo/tools/get_video_info", timeout=60, json={
+    assert json.loads(HTTP.post(f"{server}/demo/tools/get_video_info", timeout=60, json={
         "file_id": video, "arguments": {"property": "width"}}).json()["content"])["width"] > 0

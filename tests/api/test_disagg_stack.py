@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from api.launch import RunningStack, launch_stack
-from tests.api.live import alive
+from tests.api.live import HTTP, alive
 from tests.api.test_stack import _wait_until, references_checked_against_transformers
 from tests.api.test_stack import chat_response as _chat
 
@@ -42,7 +42,7 @@ def stack() -> Iterator[RunningStack]:
 
 
 def _worker_stats(stack: RunningStack, name: str) -> dict[str, Any]:
-    return httpx.get(stack.roles[name].health_url.replace("/health", "/stats"), timeout=10).json()
+    return HTTP.get(stack.roles[name].health_url.replace("/health", "/stats"), timeout=10).json()
 
 
 def test_disaggregated_answers_match_one_worker_and_transformers(stack: RunningStack, media_dir: dict) -> None:
@@ -75,7 +75,7 @@ def _abandoned_stream(url: str, prompt: str, wait_s: float) -> None:
     body = {"prompt": prompt, "max_tokens": 50, "temperature": 0, "ignore_eos": True, "stream": True}
     deadline = time.monotonic() + wait_s
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=wait_s) as response:
+        with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=wait_s) as response:
             for _ in response.iter_raw(1):
                 if time.monotonic() > deadline:
                     return
@@ -116,7 +116,7 @@ def test_aborts_during_transfer_leave_every_pool_at_capacity(stack: RunningStack
     # (stopped) while the decode worker waits with its slots reserved; when
     # it goes on, the buffer it was to fill is gone.
     aborted = aborted_in_transfer()
-    prefill_pid = stack.roles["worker-0"].current_pid()
+    prefill_pid = stack.roles["worker-0"].current_pid(HTTP)
     assert prefill_pid is not None
     os.kill(prefill_pid, signal.SIGSTOP)
     try:
@@ -128,16 +128,16 @@ def test_aborts_during_transfer_leave_every_pool_at_capacity(stack: RunningStack
     _wait_until(settled, 30, "the aborted requests to end on both workers")
     # Frozen past the heartbeat timeout, the prefill worker left the API's routing; the API
     # flushes the workers it routes to, so it must be back first.
-    _wait_until(lambda: httpx.get(f"{stack.url}/health", timeout=5).json()["workers"].get("worker-0"), 30,
+    _wait_until(lambda: HTTP.get(f"{stack.url}/health", timeout=5).json()["workers"].get("worker-0"), 30,
                 "worker-0 to be routed to again")
-    assert httpx.post(f"{stack.url}/flush_cache", timeout=60).status_code == 200
+    assert HTTP.post(f"{stack.url}/flush_cache", timeout=60).status_code == 200
     for name in ("worker-0", "worker-1"):
         own = _worker_stats(stack, name)
         for pool in ("full_pool", "swa_pool"):
             assert own[pool]["free_tokens"] == own[pool]["capacity_tokens"], (name, pool, own[pool])
     # What is left of the transfer buffers is the decode worker's idle ones, kept for reuse.
     buffers = _worker_stats(stack, "worker-1")["transfer_buffers"]["shm"]
-    decode_pid = stack.roles["worker-1"].current_pid()
+    decode_pid = stack.roles["worker-1"].current_pid(HTTP)
     assert decode_pid is not None
     assert buffers["in_use"] == 0, buffers
     assert len(_segments_of(decode_pid)) == buffers["idle"], "a transfer buffer outlived its request"
@@ -148,7 +148,7 @@ def test_a_prefill_worker_stopped_and_killed_mid_transfer_gives_the_fallback(sta
     reference = _chat(stack.url, question, []).json()["choices"][0]["message"]["content"]
     fallbacks = _worker_stats(stack, "worker-1")["disaggregation"]["fallbacks"]
     victim = stack.roles["worker-0"]
-    pid = victim.current_pid()
+    pid = victim.current_pid(HTTP)
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)  # it takes the request and never answers
     try:
@@ -166,7 +166,7 @@ def test_a_prefill_worker_stopped_and_killed_mid_transfer_gives_the_fallback(sta
         os.kill(pid, signal.SIGCONT) if alive(pid) else None
     assert _worker_stats(stack, "worker-1")["disaggregation"]["fallbacks"] == fallbacks + 1
     # The supervisor starts it again, and requests are disaggregated again.
-    _wait_until(lambda: httpx.get(f"{stack.url}/health", timeout=5).json()["workers"].get("worker-0"), 120,
+    _wait_until(lambda: HTTP.get(f"{stack.url}/health", timeout=5).json()["workers"].get("worker-0"), 120,
                 "worker-0 to come back")
     received = _worker_stats(stack, "worker-1")["disaggregation"]["received"]
     response = _chat(stack.url, question, [])

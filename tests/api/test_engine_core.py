@@ -22,12 +22,12 @@ from api.stack.outbox import Outbox
 from api.stack.transport import parse_peers
 from llm_core.loading.checkpoint import write_random_checkpoint
 from llm_core.model.presets import tiny
-from tests.api.live import LiveServer, alive, live_server
+from tests.api.live import HTTP, LiveServer, alive, live_server
 
 
 def _chunks(url: str, body: dict) -> list[dict]:
     out = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+    with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -50,7 +50,7 @@ def server(no_tokenizer: Path) -> Iterator[LiveServer]:
 
 def test_served_stream_sends_each_step_without_a_tokenizer(no_tokenizer: Path, server: LiveServer) -> None:
     assert not (no_tokenizer / "tokenizer.json").exists()
-    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    health = HTTP.get(f"{server.url}/health", timeout=10).json()
     assert health["role"] == "serve" and health["engine_core"] == {"engine-core": True}
     body = {"prompt": list(range(3, 40)), "max_tokens": 12, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -59,12 +59,12 @@ def test_served_stream_sends_each_step_without_a_tokenizer(no_tokenizer: Path, s
     assert len(ids) == 12
     assert len(chunks) == 12  # one chunk per step, not one at the end
     assert len({c["id"] for c in chunks}) == 1
-    whole = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": False}, timeout=120).json()
+    whole = HTTP.post(f"{server.url}/v1/completions", json=body | {"stream": False}, timeout=120).json()
     assert whole["choices"][0]["token_ids"] == ids
     # Fresh stats: the requests just answered are counted.
-    stats = httpx.get(f"{server.url}/stats", timeout=10).json()
+    stats = HTTP.get(f"{server.url}/stats", timeout=10).json()
     assert stats["prefix_cache"]["computed_prompt_tokens"] >= 37
-    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    metrics = HTTP.get(f"{server.url}/metrics", timeout=10).text
     assert "swallow_recompiles_total 0.0" in metrics
 
 
@@ -143,7 +143,7 @@ def test_a_dead_engine_core_is_started_again(server: LiveServer) -> None:
             time.sleep(0.2)
     assert 503 in states and states[-1] == 200  # unavailable while it was down, serving again after
     body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    reply = HTTP.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 200 and len(reply.json()["choices"][0]["token_ids"]) == 4
     assert _engine_core_pid(server) != core_pid
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.live import LiveServer, live_server
+from tests.api.live import HTTP, LiveServer, live_server
 
 GOOD_STREAMS = 10
 GOOD_TOKENS = 48
@@ -111,7 +111,7 @@ def _pools_at_capacity(url: str, timeout: float = 10.0) -> bool:
     are a snapshot published after steps, so poll)."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = httpx.get(f"{url}/stats", timeout=10).json()
+        stats = HTTP.get(f"{url}/stats", timeout=10).json()
         idle = stats["running_requests"] == 0 and stats["waiting_requests"] == 0
         if idle and all(stats[p]["free_tokens"] == stats[p]["capacity_tokens"] for p in ("full_pool", "swa_pool")):
             return True

@@ -9,7 +9,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from api.models import write_random_multimodal
 from api.launch import launch_stack
 from llm_core.loading.fp8_dequantize import write_dequantized_copy
 from llm_core.model.presets import tiny
-from tests.api.live import live_server
+from tests.api.live import HTTP, live_server
 from tests.api.test_stack import chat_response
 
 pytestmark = pytest.mark.slow
@@ -52,7 +51,7 @@ def _completions(url: str, prompts: list[list[int]]) -> list[list[int]]:
     out = []
     for prompt in prompts:
         body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        response = HTTP.post(f"{url}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         out.append(response.json()["choices"][0]["token_ids"])
     return out
@@ -84,16 +83,16 @@ def test_serve_matches_transformers_and_answers_images_as_the_dequantized_checkp
         assert _completions(server.url, prompts) == transformers_tokens
         answer = chat_response(server.url, question, files, max_tokens=16).json()
         assert answer["choices"][0]["message"]["content"].strip() == expected_answer
-        weights = httpx.get(f"{server.url}/stats", timeout=10).json()["weights"]
+        weights = HTTP.get(f"{server.url}/stats", timeout=10).json()["weights"]
         assert weights["checkpoint"] == "fp8 e4m3, 128x128 blocks" and weights["held_as"] == "float32"
-        assert "swallow_weights_resident_bytes" in httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert "swallow_weights_resident_bytes" in HTTP.get(f"{server.url}/metrics", timeout=10).text
 
 
 def test_serve_with_an_fp8_kv_cache(checkpoints: tuple[Path, Path], prompts: list[list[int]]) -> None:
     with live_server(checkpoints[0], "--kv-cache-dtype", "fp8_e4m3", "--quantization", "none") as server:
         tokens = _completions(server.url, prompts)
         assert [len(t) for t in tokens] == [MAX_TOKENS] * len(prompts)
-        stats = httpx.get(f"{server.url}/stats", timeout=10).json()
+        stats = HTTP.get(f"{server.url}/stats", timeout=10).json()
         assert stats["kv_cache_dtype"] == "float8_e4m3fn" and stats["weights"]["quantization"] == "none"
 
 

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import pytest
 import schemathesis
@@ -46,7 +45,7 @@ from api.server import create_app
 from demo.routes import DemoRoutes, demo_openapi
 from llm_core.loading.checkpoint import write_random_checkpoint
 from llm_core.model.presets import tiny
-from tests.api.live import LiveServer, live_server
+from tests.api.live import HTTP, LiveServer, live_server
 
 # Generated max_tokens are bounded by the context in the schema: a short one keeps them
 # cheap to serve on CPU. The documented chat examples need about 100 tokens.
@@ -180,7 +179,7 @@ def _call(case: schemathesis.Case, server: LiveServer) -> schemathesis.Response:
 
 
 def test_server_publishes_this_document(server: LiveServer) -> None:
-    published = httpx.get(f"{server.url}/openapi.json")
+    published = HTTP.get(f"{server.url}/openapi.json")
     assert published.status_code == 200
     assert published.json() == DOCUMENT
     schemathesis.openapi.from_url(f"{server.url}/openapi.json").validate()  # valid OpenAPI 3.1

@@ -6,11 +6,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from llm_core import LLM, SamplingParams
-from tests.api.live import live_server
+from tests.api.live import HTTP, live_server
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +24,15 @@ def llm(tiny_checkpoint: Path) -> LLM:
 
 
 def test_health_and_models(server: str, tiny_checkpoint: Path) -> None:
-    health = httpx.get(f"{server}/health").json()
+    health = HTTP.get(f"{server}/health").json()
     assert health == {"status": "ok", "role": "serve", "engine_core": {"engine-core": True}}
-    models = httpx.get(f"{server}/v1/models").json()
+    models = HTTP.get(f"{server}/v1/models").json()
     assert models["data"][0]["id"] == tiny_checkpoint.name
 
 
 def test_token_id_prompt_matches_offline_generation(server: str, llm: LLM) -> None:
     prompt = list(range(20, 80))
-    r = httpx.post(f"{server}/v1/completions",
+    r = HTTP.post(f"{server}/v1/completions",
                    json={"prompt": prompt, "max_tokens": 12, "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -57,7 +56,7 @@ def test_streaming_sends_tokens_then_done(server: str, llm: LLM) -> None:
     prompt = [7, 8, 9, 10]
     expected = llm.generate([prompt], SamplingParams(max_tokens=10))[0]
     chunks = []
-    with httpx.stream("POST", f"{server}/v1/completions", timeout=60,
+    with HTTP.stream("POST", f"{server}/v1/completions", timeout=60,
                       json={"prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": True,
                             "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200
@@ -73,10 +72,10 @@ def test_streaming_sends_tokens_then_done(server: str, llm: LLM) -> None:
 
 def test_one_request_id_names_the_response_its_chunks_and_its_header(server: str) -> None:
     body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "n": 2}
-    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    r = HTTP.post(f"{server}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["id"].startswith("cmpl-") and r.headers["x-request-id"] == r.json()["id"]
-    with httpx.stream("POST", f"{server}/v1/completions", timeout=60, json=body | {"stream": True}) as streamed:
+    with HTTP.stream("POST", f"{server}/v1/completions", timeout=60, json=body | {"stream": True}) as streamed:
         ids = {json.loads(line[6:])["id"] for line in streamed.iter_lines()
                if line.startswith("data: ") and line != "data: [DONE]"}
         assert ids == {streamed.headers["x-request-id"]} and ids != {r.json()["id"]}
@@ -85,7 +84,7 @@ def test_one_request_id_names_the_response_its_chunks_and_its_header(server: str
 def test_stop_strings_cut_the_text(server: str, llm: LLM) -> None:
     free = llm.generate(["the time"], SamplingParams(max_tokens=16, ignore_eos=True))[0].text
     stop = free[len(free) // 2 : len(free) // 2 + 2]
-    r = httpx.post(f"{server}/v1/completions", timeout=60,
+    r = HTTP.post(f"{server}/v1/completions", timeout=60,
                    json={"prompt": "the time", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": stop})
     choice = r.json()["choices"][0]
     assert choice["text"] == free[: free.find(stop)]
@@ -122,17 +121,17 @@ def test_stop_strings_cut_the_text(server: str, llm: LLM) -> None:
 def test_bad_requests_get_400_with_a_reason_and_the_server_keeps_serving(
     server: str, body: bytes, reason: str
 ) -> None:
-    r = httpx.post(f"{server}/v1/completions", content=body, timeout=60,
+    r = HTTP.post(f"{server}/v1/completions", content=body, timeout=60,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400
     assert reason in r.json()["error"]["message"]
-    ok = httpx.post(f"{server}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=60)
+    ok = HTTP.post(f"{server}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
 
 
 def test_a_request_larger_than_the_kv_pool_is_a_400(tiny_checkpoint: Path) -> None:
     with live_server(tiny_checkpoint, "--kv-budget-mib", "1") as live:
-        r = httpx.post(f"{live.url}/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 10}, timeout=60)
+        r = HTTP.post(f"{live.url}/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 10}, timeout=60)
         assert r.status_code == 400
         assert "more KV memory than the pool holds" in r.json()["error"]["message"]
 

@@ -32,6 +32,7 @@ from api.launch import RunningStack, launch_stack
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel
 from api.chat_service import ChatService
+from tests.api.live import HTTP
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo"
@@ -56,7 +57,7 @@ def chat_response(url: str, question: str, files: list[Path], max_tokens: int = 
             "max_tokens": max_tokens, "temperature": 0}
     uploads = [("request", (None, json.dumps(body), "application/json"))]
     uploads += [(f"f{i}", (f.name, f.read_bytes())) for i, f in enumerate(files)]
-    response = httpx.post(f"{url}/v1/chat/completions", files=uploads, timeout=120)
+    response = HTTP.post(f"{url}/v1/chat/completions", files=uploads, timeout=120)
     assert response.status_code == 200, response.text
     return response
 
@@ -104,7 +105,7 @@ def test_greedy_answers_match_the_embedded_server_and_transformers(stack: Runnin
             assert answer["choices"][0]["message"]["content"].strip() == ref.answer, kind
             assert answer["usage"]["completion_tokens"] == len(ref.tokens), kind
             assert answer["usage"]["prompt_tokens"] == len(ref.prompt_ids), kind
-    decisions = httpx.get(f"{stack.url}/stats", timeout=10).json()["routing"]["decisions"]
+    decisions = HTTP.get(f"{stack.url}/stats", timeout=10).json()["routing"]["decisions"]
     assert set(decisions) == {"worker-0", "worker-1"}, decisions
 
 
@@ -116,7 +117,7 @@ def test_agent_fields_travel_through_the_stack(stack: RunningStack) -> None:
     body = {"messages": [{"role": "user", "content": "How wide is the video?"}], "max_tokens": 80,
             "temperature": 0, "tools": [tool], "tool_choice": "required", "logprobs": True, "top_logprobs": 2,
             "n": 2, "presence_penalty": 0.5, "parallel_tool_calls": False}
-    response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
+    response = HTTP.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     answer = response.json()
     assert [c["index"] for c in answer["choices"]] == [0, 1]
@@ -133,7 +134,7 @@ def _long_stream(url: str, events: list[tuple[float, dict[str, Any] | str]], sta
     """A greedy stream that runs for seconds (EOS ignored), recording (time, event)."""
     body = {"messages": [{"role": "user", "content": "Describe the video."}], "max_tokens": 900,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+    with HTTP.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -160,9 +161,9 @@ def test_a_worker_killed_mid_stream_fails_only_its_streams_and_comes_back(stack:
     for events, started in streams:
         assert started.wait(60), f"the streams did not start; one got {events[:4]}"
     victim = stack.roles["worker-0"]
-    pid = victim.current_pid()
+    pid = victim.current_pid(HTTP)
     assert pid is not None
-    before_kill = httpx.get(f"{stack.url}/stats", timeout=10).json()["routing"]["workers"]["worker-0"]
+    before_kill = HTTP.get(f"{stack.url}/stats", timeout=10).json()["routing"]["workers"]["worker-0"]
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     for thread in threads:
@@ -180,19 +181,19 @@ def test_a_worker_killed_mid_stream_fails_only_its_streams_and_comes_back(stack:
     quick = {"messages": [{"role": "user", "content": "How many beeps do you hear?"}], "max_tokens": 4,
              "temperature": 0}
     for _ in range(3):
-        assert httpx.post(f"{stack.url}/v1/chat/completions", json=quick, timeout=60).status_code == 200
+        assert HTTP.post(f"{stack.url}/v1/chat/completions", json=quick, timeout=60).status_code == 200
     # ...and the supervisor starts the dead one again; it registers from an empty index.
-    _wait_until(lambda: httpx.get(f"{stack.url}/health", timeout=5).json()["workers"].get("worker-0"), 120,
+    _wait_until(lambda: HTTP.get(f"{stack.url}/health", timeout=5).json()["workers"].get("worker-0"), 120,
                 "worker-0 to come back")
-    assert victim.current_pid() not in (None, pid)
+    assert victim.current_pid(HTTP) not in (None, pid)
     for _ in range(2):
-        assert httpx.post(f"{stack.url}/v1/chat/completions", json=quick, timeout=60).status_code == 200
-    routing = httpx.get(f"{stack.url}/stats", timeout=10).json()["routing"]["workers"]["worker-0"]
+        assert HTTP.post(f"{stack.url}/v1/chat/completions", json=quick, timeout=60).status_code == 200
+    routing = HTTP.get(f"{stack.url}/stats", timeout=10).json()["routing"]["workers"]["worker-0"]
     assert 1 <= routing["routed"] <= 4, "routed to again, counted from its restart"
     # Its index is the new process's cache, not what the killed one held.
     own_stats = victim.health_url.replace("/health", "/stats")
-    _wait_until(lambda: httpx.get(f"{stack.url}/stats", timeout=10).json()["routing"]["workers"]["worker-0"]
-                ["indexed_pages"] == httpx.get(own_stats, timeout=10).json()["prefix_cache"]["nodes"], 10,
+    _wait_until(lambda: HTTP.get(f"{stack.url}/stats", timeout=10).json()["routing"]["workers"]["worker-0"]
+                ["indexed_pages"] == HTTP.get(own_stats, timeout=10).json()["prefix_cache"]["nodes"], 10,
                 "the API's index of worker-0 to match its cache")
     assert before_kill["indexed_pages"] > 0, "the killed worker had pages the API had to forget"
 
@@ -220,19 +221,19 @@ def test_an_encoder_killed_mid_request_fails_only_that_request(stack: RunningSta
     thread = threading.Thread(target=send)
     thread.start()
     encoder = stack.roles["encoder-0"]
-    pid = encoder.current_pid()
+    pid = encoder.current_pid(HTTP)
     assert pid is not None
     time.sleep(1.0)  # uploaded, and being decoded or encoded
     os.kill(pid, signal.SIGKILL)
     # Text does not need the encoder: served meanwhile.
     text = {"messages": [{"role": "user", "content": "Describe the video."}], "max_tokens": 4, "temperature": 0}
-    assert httpx.post(f"{stack.url}/v1/chat/completions", json=text, timeout=60).status_code == 200
+    assert HTTP.post(f"{stack.url}/v1/chat/completions", json=text, timeout=60).status_code == 200
     thread.join(60)
     response = result["response"]
     assert response.status_code == 503, response.text
     assert "encoder" in response.json()["error"]["message"]
-    _wait_until(lambda: encoder.current_pid() not in (None, pid), 120, "the encoder to come back")
-    _wait_until(lambda: all(httpx.get(f"{stack.url}/health", timeout=5).json()["encoders"].values()), 30,
+    _wait_until(lambda: encoder.current_pid(HTTP) not in (None, pid), 120, "the encoder to come back")
+    _wait_until(lambda: all(HTTP.get(f"{stack.url}/health", timeout=5).json()["encoders"].values()), 30,
                 "the API to see the encoder again")
     short = tmp_path / "short.wav"
     short.write_bytes(_wav(2))
@@ -243,14 +244,14 @@ def _post_file(url: str, path: Path, question: str) -> httpx.Response:
     body = {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "m"}},
                                                       {"type": "text", "text": question}]}],
             "max_tokens": 4, "temperature": 0}
-    return httpx.post(f"{url}/v1/chat/completions", timeout=120,
+    return HTTP.post(f"{url}/v1/chat/completions", timeout=120,
                       files=[("request", (None, json.dumps(body), "application/json")),
                              ("m", (path.name, path.read_bytes()))])
 
 
 def test_ctrl_c_stops_every_process_and_frees_shared_memory(stack: RunningStack) -> None:
     """The module's last test: it stops the stack the others used."""
-    pids = [role.current_pid() or role.pid for role in stack.roles.values()]
+    pids = [role.current_pid(HTTP) or role.pid for role in stack.roles.values()]
     store = stack.store_name
     assert store and Path(f"/dev/shm/{store}").exists()
     os.kill(stack.pid, signal.SIGINT)
