@@ -103,7 +103,7 @@ def test_the_triton_kernels_read_fp8_pools(ta: ModuleType, window: int | None) -
 
 
 # ------------------------------------------------------------------ engine
-PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
 
 
 def _prompts() -> list[list[int]]:

@@ -138,7 +138,7 @@ def test_engine_on_triton_attention_generates_what_the_torch_path_does(ta: Modul
     from llm_core import LLM, SamplingParams
 
     prompts = [list(range(10, 31)), list(range(40, 52)), [7, 8, 9]]
-    params = SamplingParams(max_tokens=6)
+    params = SamplingParams(max_tokens=3)
     torch_path = LLM(hf_checkpoint, attention="torch", chunked_prefill_size=8)
     triton_path = LLM(hf_checkpoint, attention="triton", chunked_prefill_size=8)
     assert triton_path.engine.runner.attention_fn is ta.paged_attention_triton
