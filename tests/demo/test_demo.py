@@ -89,7 +89,7 @@ def test_committed_demo_model_is_small_and_served_by_default() -> None:
 def test_answers_are_right_and_identical_across_engine_settings() -> None:
     # One sample per task: every task, media kind and engine setting; the accuracy
     # over many samples is `swallow eval-demo`'s figure (docs/benchmarks.md).
-    result = eval_demo(DEMO_MODEL_DIR, per_task=1, concurrencies=(1, 16), prefix_caching=(True, False))
+    result = eval_demo(DEMO_MODEL_DIR, per_task=1, concurrencies=(4, 16), prefix_caching=(True, False))
     assert result["items"] == 10
     # The video tool: called exactly when listed, never when not.
     assert result["tools"]["call_exact"] >= 0.8 and result["tools"]["no_call_in_any_answer_without_tools"] == 1.0
