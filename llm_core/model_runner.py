@@ -114,17 +114,23 @@ def extend_hidden(model: MiMoV2ForCausalLM, input_ids: torch.Tensor, positions: 
 
 def compiled(fn: Callable[..., torch.Tensor], backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """``fn`` under torch.compile(fullgraph=True) with dynamic shapes: one graph
-    for every batch size and context (sizes 0 and 1 aside, which torch specialises)."""
+    for every batch size and context (a decode batch of one aside: inductor's
+    broadcasting checks still tell a size of 1 from larger ones there)."""
     graph = torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)
 
     def run(*args: Any) -> torch.Tensor:
         # Without duck sizing, two sizes that happen to be equal when a graph is
         # traced (batch and page count, say) are not assumed equal forever,
         # which would recompile it when they part.
+        # Size-oblivious sizes: a size of 1 takes the general graph rather than
+        # one traced for it (one row, one sequence, one request), which cuts the
+        # warm-up's compiles by a quarter; broadcasting checks that must tell 1
+        # apart still guard (a decode batch of one keeps its own graph), and
+        # tests/llm_core/test_warmup.py checks compiled against eager tokens.
         # One graph per MTP layer module as well: more than dynamo's default of 8.
         # Float attributes (norm eps, scales) are constants of the graph: each
         # would otherwise be a symbolic input guarded in Python at every call.
-        with torch.fx.experimental._config.patch(use_duck_shape=False), \
+        with torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True), \
                 torch._dynamo.config.patch(recompile_limit=64, specialize_float=True):
             return graph(*args)
 

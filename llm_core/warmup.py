@@ -1,9 +1,11 @@
 """Every graph serving uses, compiled before the first request.
 
 A compiled forward (``EngineConfig.compile``) has one graph per set of
-shape facts its guards distinguish, and under dynamic shapes those facts are
-few: a size of 1 against larger ones (torch specialises 0 and 1), and the
-dense-experts threshold of a traced MoE layer (``layers._DENSE_TOKENS``).
+shape facts its guards distinguish, and under dynamic shapes with
+size-oblivious sizes (``model_runner.compiled``) those facts are few: a decode
+batch of one against larger ones (inductor's broadcasting checks), the kind of
+attention step an MTP layer runs in, and the dense-experts threshold of a traced
+MoE layer (``layers._DENSE_TOKENS``).
 ``warm_up`` runs short requests that reach each combination a step can
 have -- decode of one request and of several (a decode page table is at
 least two pages wide, so the page count adds no graph); extend (prefill
