@@ -34,6 +34,7 @@ from encoders.checkpoint import encoder_identity, find_prefix, load_submodule, r
 from encoders.varlen import cu_seqlens_from_lengths, varlen_attention
 from llm_core.model.config import ConfigError
 from llm_core.loading.weights import CheckpointReader
+from llm_core.model.meta_build import materialize, meta_build
 
 __all__ = [
     "AudioEncoder",
@@ -491,9 +492,9 @@ def load_audio_encoder(
     """An ``AudioEncoder`` with weights from ``model_dir`` (config.json + safetensors)."""
     config = AudioEncoderConfig.from_hf_dict(read_config_json(model_dir))
     # Built without random init: load_submodule overwrites every parameter.
-    with torch.device("meta"):
+    with meta_build():
         encoder = AudioEncoder(config)
-    encoder = encoder.to(dtype=dtype).to_empty(device=device)
+    materialize(encoder, device, dtype)
     with CheckpointReader(model_dir) as reader:
         load_submodule(encoder.tower, reader, find_prefix(reader, TOWER_PREFIXES, "conv1.weight"))
         if encoder.projector is not None:

@@ -36,6 +36,7 @@ from encoders.varlen import cu_seqlens_from_lengths, varlen_attention
 from llm_core.model.config import ConfigError
 from llm_core.model.layers import RMSNorm
 from llm_core.loading.weights import CheckpointReader
+from llm_core.model.meta_build import materialize, meta_build
 
 __all__ = ["VisionEncoder", "VisionEncoderConfig", "VisionInput", "load_vision_encoder"]
 
@@ -323,7 +324,12 @@ class _AxialRotary(nn.Module):
         super().__init__()
         self.theta = config.rope_theta
         self.axis_dim = config.head_dim // 2  # rotary width given to each axis
-        self.register_buffer("inv_freq", self._inv_freq(None), persistent=False)
+        # Computed on the CPU when the module is built on meta (meta_build): meta
+        # arange runs torch's Python reference, a second's import on first use,
+        # and _apply recomputes the buffer wherever the module goes anyway.
+        default = torch.get_default_device()
+        self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu") if default.type == "meta" else default),
+                             persistent=False)
 
     def _inv_freq(self, device: torch.device | None) -> torch.Tensor:
         exponents = torch.arange(0, self.axis_dim, 2, dtype=torch.float32, device=device) / self.axis_dim
@@ -571,8 +577,8 @@ def load_vision_encoder(
     with CheckpointReader(model_dir) as reader:
         prefix = find_prefix(reader, CHECKPOINT_PREFIXES, "patch_embed.proj.weight")
         # Built on meta: random init of weights about to be overwritten is wasted time.
-        with torch.device("meta"):
+        with meta_build():
             encoder = VisionEncoder(config)
-        encoder.to_empty(device=device).to(dtype=dtype)
+        materialize(encoder, device, dtype)
         load_submodule(encoder, reader, prefix)
     return encoder.eval()

@@ -32,20 +32,21 @@ def build(name: str, sources: tuple[str, ...], what: str, *, ops_library: bool =
           cflags: tuple[str, ...] = CPU_FLAGS, ldflags: tuple[str, ...] = ("-fopenmp",)) -> ModuleType | str | None:
     """The extension built from ``csrc/<source>`` files: a Python module, or with
     ``ops_library`` a library of torch ops (loaded; its path is returned)."""
-    from torch.utils import cpp_extension
-
     recipe = _recipe(sources, cflags, ldflags)
-    try:
-        directory = Path(cpp_extension._get_build_directory(name, verbose=False))
-    except Exception as exc:  # noqa: BLE001 - no cache directory: no build either
-        log.warning("the C++ %s has no build directory (%s); using the torch path", what, exc)
-        return None
-    library = directory / f"{name}.so"
+    library = _build_directory(name) / f"{name}.so"
     if _stamp_of(library) == recipe:
         try:
             return _load(name, library, ops_library)
         except (OSError, ImportError) as exc:  # a damaged file: torch's loader builds it again
             log.warning("the stamped C++ %s did not load (%s); building it again", what, exc)
+    # Imported only to build: it imports setuptools, 0.6 s of a process's start.
+    from torch.utils import cpp_extension
+
+    try:
+        library = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+    except Exception as exc:  # noqa: BLE001 - no cache directory: no build either
+        log.warning("the C++ %s has no build directory (%s); using the torch path", what, exc)
+        return None
     try:
         built = cpp_extension.load(name=name, sources=[str(CSRC / s) for s in sources], extra_cflags=list(cflags),
                                    extra_ldflags=list(ldflags), is_python_module=not ops_library, verbose=False)
@@ -57,6 +58,21 @@ def build(name: str, sources: tuple[str, ...], what: str, *, ops_library: bool =
     if loaded is not None and Path(loaded) == library:
         _write_stamp(library, recipe)
     return built
+
+
+def _build_directory(name: str) -> Path:
+    """Where torch's loader builds ``name`` (``cpp_extension``'s rule, read
+    without importing it). Were the rule to change, no stamp would be found
+    there and the build would go through torch's loader, as a first one does."""
+    from torch._appdirs import user_cache_dir
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        flavour = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(user_cache_dir(appname="torch_extensions")),
+                            f"{python}_{flavour}")
+    return Path(root) / name
 
 
 def _recipe(sources: tuple[str, ...], cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> str:

@@ -27,6 +27,7 @@ import torch
 
 from llm_core.kv.kv_capacity import GIB, kv_capacity
 from llm_core.model.config import ModelConfig
+from llm_core.model.meta_build import meta_build
 
 __all__ = ["ExpertSplit", "Hardware", "ParameterCounts", "WeightBytes", "parameter_counts", "plan", "weight_bytes"]
 
@@ -73,7 +74,7 @@ def parameter_counts(config: ModelConfig) -> ParameterCounts:
     routed experts and the rest."""
     from llm_core.model.model import MiMoV2ForCausalLM
 
-    with torch.device("meta"):
+    with meta_build():
         model = MiMoV2ForCausalLM(config)
     routed = replicated = 0
     for name, param in model.named_parameters():

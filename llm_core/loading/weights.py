@@ -54,6 +54,7 @@ from llm_core.model.expert_parallel import ExpertParallel
 from llm_core.model.fp8 import Fp8Scheme, block_scale_rows, dequantize, never_quantized, quantize_blockwise, read_fp8_scheme
 from llm_core.model.fp8_linear import Fp8Linear, Fp8RoutedExperts, fp8_gemm_supported, resident_weight_bytes
 from llm_core.model.layers import RoutedExperts, SparseMoE, empty_k_major
+from llm_core.model.meta_build import meta_build
 from llm_core.model.model import Attention, MiMoV2ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -290,7 +291,7 @@ def load_model(
         layout = CheckpointLayout.read(_read_config_json(model_dir), config)
         resident = fp8_resident(quantization, reader.fp8, device)
         # Built on the meta device: each parameter is allocated once, by its load.
-        with torch.device("meta"):
+        with meta_build():
             model = MiMoV2ForCausalLM(config)
             if ep is not None:
                 for module in model.modules():

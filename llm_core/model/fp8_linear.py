@@ -17,6 +17,7 @@ from torch import nn
 
 from llm_core.model.config import ModelConfig
 from llm_core.model.fp8 import FP8_DTYPE, Fp8Scheme, never_quantized
+from llm_core.model.meta_build import meta_build
 
 
 def _kernels():  # noqa: ANN202 - the module
@@ -127,7 +128,7 @@ def model_on_meta(config: ModelConfig, scheme: Fp8Scheme | None, dtype: torch.dt
     from llm_core.model.layers import RoutedExperts, TopKRouter
     from llm_core.model.model import MiMoV2ForCausalLM
 
-    with torch.device("meta"):
+    with meta_build():
         model = MiMoV2ForCausalLM(config).to(dtype)
         for module in model.modules():
             if isinstance(module, TopKRouter):
@@ -136,7 +137,7 @@ def model_on_meta(config: ModelConfig, scheme: Fp8Scheme | None, dtype: torch.dt
         return model
     assert scheme.block is not None, "a block-quantized scheme"
     rows, group = scheme.block
-    with torch.device("meta"):
+    with meta_build():
         for name, module in list(model.named_modules()):
             owner_name, _, attr = name.rpartition(".")
             if isinstance(module, nn.Linear):
