@@ -31,7 +31,7 @@ from api.errors import BadRequest, UnsupportedMedia
 from api.media_sniff import SNIFF_BYTES, DeclaredType, declared_type, refusal_for_unrecognised, sniff_media_kind
 from api.uploads import StoredFile
 from llm_core import SamplingParams
-from llm_core.sample.sampling import MAX_TOP_LOGPROBS
+from llm_core.sample.params import MAX_TOP_LOGPROBS
 
 __all__ = [
     "BadRequest",

@@ -15,7 +15,7 @@ from api.chat import (
 from api.chat_service import ChatService, Generation, gather_or_cancel, interleaved, sse_choices, usage_of
 from api.streams import StreamEvent
 from llm_core import SamplingParams
-from llm_core.sample.sampling import MAX_TOP_LOGPROBS
+from llm_core.sample.params import MAX_TOP_LOGPROBS
 
 __all__ = ["CompletionRequest", "CompletionService"]
 

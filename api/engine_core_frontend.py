@@ -11,7 +11,8 @@ from api.engine_core import EngineCoreProcess
 from api.frontend import Embedder
 from api.metrics import ServerMetrics
 from api.options import ServerOptions
-from api.runtime import build_media, media_kinds
+from api.media_pipeline import build_media
+from encoders.media_kinds import media_kinds
 from api.stack.frontend import StackFrontend
 from embedding_cache import SharedEmbeddingStore
 

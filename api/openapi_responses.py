@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from api.chat import MAX_CHOICES
 from api.openapi_blocks import Schema, _closed_object, _const, _int_range, _nullable, _object, _ref
-from llm_core.sample.sampling import MAX_TOP_LOGPROBS
+from llm_core.sample.params import MAX_TOP_LOGPROBS
 
 # The engine's "error" finish never reaches a client: it becomes a 500 or an error event.
 _FINISH_REASONS = ["stop", "length"]

@@ -10,13 +10,13 @@ from api.openapi_blocks import Schema, _const, _int_range, _nullable, _object, _
 from api.openapi_responses import response_schemas
 from api.structured import _NAME as _TOOL_NAME
 from api.structured import MAX_TOOLS
-from llm_core.sample.sampling import (
+from llm_core.sample.params import (
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
-    MIN_REPETITION_PENALTY,
     MAX_SEED,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
     MIN_SEED,
     MIN_TEMPERATURE,
 )

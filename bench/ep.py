@@ -26,7 +26,7 @@ from llm_core.model.config import ModelConfig
 from llm_core.llm import LLM
 from llm_core.plan import all_to_all_bytes_per_token
 from llm_core.model.presets import tiny
-from llm_core.sample.sampling import SamplingParams
+from llm_core.sample.params import SamplingParams
 from llm_core.loading.weights import CheckpointReader, read_config
 
 DEFAULT_SIZES = (1, 2, 4)

@@ -26,7 +26,7 @@ from llm_core.model_runner import page_slots
 from llm_core.model.model import MiMoV2ForCausalLM
 from llm_core.kv.paged_attention import KVCacheTensors
 from llm_core.model.presets import PRESETS
-from llm_core.sample.sampling import SamplingParams
+from llm_core.sample.params import SamplingParams
 from llm_core.sched.scheduler import ScheduledChunk, Sequence
 
 DEFAULT_CONTEXTS = (1024, 8192, 32768)

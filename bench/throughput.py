@@ -15,7 +15,7 @@ import torch
 from llm_core.loading.checkpoint import write_random_checkpoint
 from llm_core.llm import LLM
 from llm_core.model.presets import tiny
-from llm_core.sample.sampling import SamplingParams
+from llm_core.sample.params import SamplingParams
 
 
 def make_workload(num_requests: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:

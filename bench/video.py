@@ -21,7 +21,8 @@ from typing import Any
 import av
 import numpy as np
 
-from media.video import _usable_cores, load_video, plan_sampling, probe_video
+from media.video import _usable_cores, load_video
+from media.video_probe import plan_sampling, probe_video
 
 WIDTH, HEIGHT, RATE = 1280, 720, 30
 SEGMENT_SECONDS = 30  # distinct content, encoded once

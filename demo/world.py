@@ -37,7 +37,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from media.video import plan_sampling
+from media.video_probe import plan_sampling
 from media.video_probe import VideoInfo
 
 # ------------------------------------------------------------------------ constants

@@ -16,11 +16,14 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["KEY_BYTES", "ContentPart", "file_digest", "key_hex", "media_key"]
 
@@ -31,7 +34,7 @@ KEY_BYTES = 32
 # collide with keys already sitting in a cache.
 _PERSONALISATION = b"swallow-mkey-v1"
 
-ContentPart: TypeAlias = bytes | bytearray | memoryview | torch.Tensor
+ContentPart: TypeAlias = "bytes | bytearray | memoryview | torch.Tensor"
 
 _LENGTH_BYTES = 8
 _FILE_HASH_CHUNK = 1 << 20
@@ -106,7 +109,8 @@ def _canonical(value: Any) -> Any:
         return [_canonical(item) for item in value]
     if isinstance(value, np.generic):
         return _canonical(value.item())
-    if isinstance(value, torch.dtype):
+    torch_module = sys.modules.get("torch")  # a torch dtype exists only where torch is imported
+    if torch_module is not None and isinstance(value, torch_module.dtype):
         return str(value)
     raise TypeError(f"cannot canonicalise a parameter of type {type(value).__name__}")
 
@@ -121,19 +125,19 @@ def _canonical_mapping(mapping: Mapping[Any, Any]) -> dict[str, Any]:
 
 def _content_parts(content: ContentPart | Sequence[ContentPart]) -> list[ContentPart]:
     # Tensors and bytes are sequences themselves: test for a single part first.
-    if isinstance(content, (bytes, bytearray, memoryview, torch.Tensor)):
+    if isinstance(content, (bytes, bytearray, memoryview)) or _is_tensor(content):
         return [content]
     if isinstance(content, str) or not isinstance(content, Sequence):
         raise TypeError(f"content must be bytes, a tensor, or a sequence of them, got {type(content).__name__}")
     parts = list(content)
     for part in parts:
-        if not isinstance(part, (bytes, bytearray, memoryview, torch.Tensor)):
+        if not (isinstance(part, (bytes, bytearray, memoryview)) or _is_tensor(part)):
             raise TypeError(f"a content part must be bytes or a tensor, got {type(part).__name__}")
     return parts
 
 
 def _update_part(digest: Any, part: ContentPart) -> None:
-    if isinstance(part, torch.Tensor):
+    if _is_tensor(part):
         _update_field(digest, b"T", str(part.dtype).encode("ascii"))
         shape = b"".join(int(size).to_bytes(_LENGTH_BYTES, "little") for size in part.shape)
         _update_field(digest, b"S", shape)
@@ -142,9 +146,16 @@ def _update_part(digest: Any, part: ContentPart) -> None:
         _update_field(digest, b"B", _byte_view(part))
 
 
+def _is_tensor(value: object) -> bool:
+    # A process that never imported torch holds no tensor: no import needed to tell.
+    torch_module = sys.modules.get("torch")
+    return torch_module is not None and isinstance(value, torch_module.Tensor)
+
+
 def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's elements as one flat uint8 array (row-major, no copy when already
     a contiguous CPU tensor)."""
+    import torch
     flat = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy()
 

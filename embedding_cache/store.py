@@ -21,14 +21,17 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from multiprocessing.shared_memory import SharedMemory
+from typing import TYPE_CHECKING
 
 import _posixshmem  # the unlink primitive without SharedMemory.unlink's tracker bookkeeping
-import torch
 
 from embedding_cache.keys import KEY_BYTES, tensor_bytes
 from embedding_cache.store_lock import acquire_lock_file, remove_quietly
-from embedding_cache.store_segment import DTYPE_CODES, MAX_NDIM, StoreLayout, attach_segment, create_segment
+from embedding_cache.store_segment import DTYPE_NAMES, MAX_NDIM, StoreLayout, attach_segment, create_segment
 from embedding_cache.store_tables import StoreTables
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SharedEmbeddingStore"]
 
@@ -299,7 +302,7 @@ def _check_key(key: bytes) -> None:
 
 def _dtype_code(dtype: torch.dtype) -> int:
     try:
-        return DTYPE_CODES[dtype]
+        return DTYPE_NAMES[str(dtype).removeprefix("torch.")]
     except KeyError:
-        supported = ", ".join(str(d) for d in DTYPE_CODES)
+        supported = ", ".join(f"torch.{name}" for name in DTYPE_NAMES)
         raise TypeError(f"cannot store {dtype} values; supported: {supported}") from None

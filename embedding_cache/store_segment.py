@@ -22,26 +22,28 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
-import torch
 
 from embedding_cache.keys import KEY_BYTES
 
 MAX_NDIM = 6
 
 # Codes live in shared memory and outlive any one process: never renumber, only append.
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.int32: 4,
-    torch.int64: 5,
-    torch.uint8: 6,
-    torch.float64: 7,
-    torch.int8: 8,
-    torch.int16: 9,
-    torch.bool: 10,
+# Keyed by torch's dtype names (``torch.float32`` is "float32"): the segment is made
+# and checked by processes that never import torch (a stack's supervisor).
+DTYPE_NAMES: dict[str, int] = {
+    "float32": 1,
+    "float16": 2,
+    "bfloat16": 3,
+    "int32": 4,
+    "int64": 5,
+    "uint8": 6,
+    "float64": 7,
+    "int8": 8,
+    "int16": 9,
+    "bool": 10,
 }
-DTYPES_BY_CODE: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+NAMES_BY_CODE: dict[int, str] = {code: name for name, code in DTYPE_NAMES.items()}
+ITEMSIZES: dict[int, int] = {1: 4, 2: 2, 3: 2, 4: 4, 5: 8, 6: 1, 7: 8, 8: 1, 9: 2, 10: 1}
 
 _MAGIC = int.from_bytes(b"SWEMBCAC", "little")
 _LAYOUT_VERSION = 1

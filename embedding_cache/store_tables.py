@@ -11,25 +11,29 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 
 from embedding_cache.store_segment import (
-    DTYPES_BY_CODE,
     H_COUNT,
     H_DIRTY,
     H_EVICTIONS,
     H_FREE_TOP,
     HEADER_WORDS,
+    ITEMSIZES,
     MAX_NDIM,
+    NAMES_BY_CODE,
     SLOT_DTYPE,
     SLOT_EMPTY,
     SLOT_OCCUPIED,
     SLOT_PAYLOAD_FIELDS,
     StoreLayout,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 # LRU victims are picked this many at a time: one O(n_slots) partition per batch.
 _EVICTION_BATCH = 16
@@ -191,6 +195,8 @@ class StoreTables:
         return int(blocks[0])
 
     def read_value(self, key: bytes) -> tuple[torch.Tensor, torch.dtype, tuple[int, ...]] | None:
+        import torch  # only a process that reads values (it holds tensors already)
+
         # A dead writer may have left a slot mid-move: serve misses until a writer repairs.
         if self._header[H_DIRTY]:
             return None
@@ -200,7 +206,7 @@ class StoreTables:
         record = self._slots[slot]
         nbytes = int(record["nbytes"])
         shape = tuple(record["shape"][: int(record["ndim"])].tolist())
-        dtype = DTYPES_BY_CODE[int(record["dtype"])]
+        dtype = getattr(torch, NAMES_BY_CODE[int(record["dtype"])])
         # Allocated by torch, not numpy: an empty numpy array converts with stride 0,
         # which torch then refuses to view as a wider dtype.
         raw = torch.empty(nbytes, dtype=torch.uint8)
@@ -281,11 +287,11 @@ class StoreTables:
         """The record's blocks if it describes a well-formed value, else None."""
         code = int(record["dtype"])
         ndim = int(record["ndim"])
-        if code not in DTYPES_BY_CODE or ndim > MAX_NDIM:
+        if code not in ITEMSIZES or ndim > MAX_NDIM:
             return None
         shape = record["shape"][:ndim].tolist()
         nbytes = int(record["nbytes"])
-        itemsize = DTYPES_BY_CODE[code].itemsize
+        itemsize = ITEMSIZES[code]
         if min(shape, default=0) < 0 or nbytes != math.prod(shape) * itemsize:
             return None
         blocks = [int(record["first_block"])]

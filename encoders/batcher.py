@@ -21,9 +21,10 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BatchEncoder", "BatcherConfig", "BatcherStats", "EncoderBatcher"]
 

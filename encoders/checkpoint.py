@@ -10,9 +10,7 @@ whichever known prefix the checkpoint uses and checks every shape.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,17 +18,7 @@ from torch import nn
 
 from llm_core.loading.weights import CheckpointError, CheckpointReader
 
-__all__ = ["encoder_identity", "find_prefix", "load_submodule", "read_config_json"]
-
-
-def read_config_json(model_dir: str | Path) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{model_dir} has no config.json") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+__all__ = ["encoder_identity", "find_prefix", "load_submodule"]
 
 
 def find_prefix(reader: CheckpointReader, candidates: Sequence[str], probe: str) -> str:

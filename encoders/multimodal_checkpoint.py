@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from encoders.audio import AudioEncoder, AudioEncoderConfig, load_audio_encoder
-from encoders.checkpoint import read_config_json
+from encoders.media_kinds import read_config_json
 from encoders.vision import VisionEncoder, VisionEncoderConfig, load_vision_encoder
 from llm_core.model.chat import DEFAULT_CHAT_TEMPLATE, MEDIA_PLACEHOLDERS, MULTIMODAL_SPECIAL_TOKENS
 from llm_core.loading.checkpoint import SPECIAL_TOKENS, write_random_checkpoint
@@ -30,22 +30,9 @@ from llm_core.model.config import ModelConfig
 from llm_core.model.tokenizer import Tokenizer
 from llm_core.loading.weights import INDEX_FILE, CheckpointError
 
-__all__ = ["add_encoders", "load_encoders", "placeholder_token_ids", "write_random_multimodal_checkpoint"]
+__all__ = ["add_encoders", "load_encoders", "write_random_multimodal_checkpoint"]
 
 ENCODER_SHARD = "encoders.safetensors"
-_TOKEN_ID_KEYS = {"image": "image_token_id", "video": "video_token_id", "audio": "audio_token_id"}
-
-
-def placeholder_token_ids(model_dir: str | Path) -> dict[str, int]:
-    """Placeholder id per media kind the checkpoint declares (empty for a text model)."""
-    config = read_config_json(model_dir)
-    return {kind: int(config[key]) for kind, key in _TOKEN_ID_KEYS.items() if config.get(key) is not None}
-
-
-def encoder_kinds(model_dir: str | Path) -> frozenset[str]:
-    """The encoders the checkpoint's config.json declares ("vision", "audio"), without loading them."""
-    config = read_config_json(model_dir)
-    return frozenset(kind for kind, key in (("vision", "vision_config"), ("audio", "audio_config")) if key in config)
 
 
 def load_encoders(

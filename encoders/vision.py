@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoders.checkpoint import encoder_identity, find_prefix, load_submodule, read_config_json
+from encoders.checkpoint import encoder_identity, find_prefix, load_submodule
+from encoders.media_kinds import read_config_json
 from encoders.varlen import cu_seqlens_from_lengths, varlen_attention
 from llm_core.model.config import ConfigError
 from llm_core.model.layers import RMSNorm

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from llm_core.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from llm_core.llm import LLM, RequestOutput
     from llm_core.loading.weights import CheckpointError
     from llm_core.model.config import AttentionSpec, ConfigError, ModelConfig
     from llm_core.model.multimodal import MultimodalSpan
-    from llm_core.sample.sampling import SamplingParams
+    from llm_core.sample.params import SamplingParams
 
 # Where each public name lives. They are loaded on first use: a process that needs
 # only the torch-free parts (the router, a command's parser) never imports torch.
@@ -22,7 +23,7 @@ _EXPORTS = {
     "ConfigError": "llm_core.model.config",
     "ModelConfig": "llm_core.model.config",
     "MultimodalSpan": "llm_core.model.multimodal",
-    "SamplingParams": "llm_core.sample.sampling",
+    "SamplingParams": "llm_core.sample.params",
 }
 
 __all__ = [
@@ -37,10 +38,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'llm_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS)

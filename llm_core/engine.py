@@ -29,8 +29,10 @@ from llm_core.model.model import MiMoV2ForCausalLM
 from llm_core.model_runner import ModelRunner, compiled
 from llm_core.model.multimodal import MultimodalSpan, check_spans, with_cache_tokens
 from llm_core.kv.prefix_cache_records import CacheLock, CacheStats
-from llm_core.request import Request, TokenEvent, check_prompt_ids
-from llm_core.sample.sampling import SamplingParams, TokenCounts, request_seed
+from llm_core.prompts import check_prompt_ids
+from llm_core.request import Request, TokenEvent
+from llm_core.sample.params import SamplingParams, request_seed
+from llm_core.sample.sampling import TokenCounts
 from llm_core.sched.schedule_policy import LengthBuckets
 from llm_core.sched.scheduler import RequestTooLarge, ScheduledChunk, Scheduler, SchedulerConfig, Sequence
 from llm_core.sample.speculative import DraftTarget, MTPDrafter, SpeculativeStats, mtp_layer_forward

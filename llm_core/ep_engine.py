@@ -48,7 +48,7 @@ from llm_core.model.expert_parallel import (
 )
 from llm_core.sample.grammar import GrammarSpec
 from llm_core.model.multimodal import MultimodalSpan
-from llm_core.sample.sampling import SamplingParams
+from llm_core.sample.params import SamplingParams
 
 if TYPE_CHECKING:
     from llm_core.llm import LLM

@@ -14,17 +14,16 @@ from llm_core.device import compute_dtype
 from llm_core.cluster.disagg import KVReservation, PrefilledKV
 from llm_core.sample.grammar import GrammarCompiler
 from llm_core.engine import Engine, EngineConfig, TokenEvent
-from llm_core.request import check_prompt_ids
+from llm_core.prompts import Prompt, check_context_length, encode_prompt
 from llm_core.ep_engine import EPLeader, LocalGroup, check_engine_config, handshake, launch_local_group
 from llm_core.model.expert_parallel import ExpertParallel, ExpertParallelError
 from llm_core.kv.kv_events import KVEventLog
 from llm_core.model.multimodal import MultimodalSpan, check_spans
-from llm_core.sample.sampling import SamplingParams
+from llm_core.sample.params import SamplingParams
 from llm_core.model.tokenizer import TOKENIZER_FILE, Tokenizer
 from llm_core.warmup import CompileCounter, warm_up
 from llm_core.loading.weights import QUANTIZATION_MODES, QuantizationMode, describe_weights, load_model
 
-Prompt = str | Sequence[int]
 # Called as on_token(prompt_index, token_id, finish_reason) for every generated token.
 TokenCallback = Callable[[int, int, str | None], None]
 
@@ -247,28 +246,6 @@ class LLM:
 
     def _decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
-
-
-def encode_prompt(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int, model_dir: Path) -> list[int]:
-    """Token ids of a prompt (text, or ids checked against the vocabulary)."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError(f"text prompts need a tokenizer.json in {model_dir}; pass token ids instead")
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise ValueError("prompt is empty")
-    check_prompt_ids(ids, vocab_size)
-    return ids
-
-
-def check_context_length(num_prompt_tokens: int, max_tokens: int, context_length: int) -> None:
-    if num_prompt_tokens + max_tokens > context_length:
-        raise ValueError(
-            f"prompt of {num_prompt_tokens} tokens plus max_tokens={max_tokens} exceeds "
-            f"the model's context length of {context_length} tokens"
-        )
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

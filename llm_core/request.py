@@ -15,20 +15,11 @@ import torch
 
 from llm_core.sample.grammar import GrammarMatcher
 from llm_core.model.multimodal import MultimodalSpan
-from llm_core.sample.sampling import SamplingParams, SamplingRow
+from llm_core.sample.params import SamplingParams
+from llm_core.sample.sampling import SamplingRow
 from llm_core.sched.scheduler import Sequence
 
-__all__ = ["Request", "TokenEvent", "check_prompt_ids"]
-
-
-def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
-    """Refuse a prompt naming ids the model has no embedding for: caught
-    here, it is a clear error at admission, not a failed step. It runs on the
-    engine's thread between steps, so the common case is two C-speed scans."""
-    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
-        return
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+__all__ = ["Request", "TokenEvent"]
 
 
 @dataclass(frozen=True)

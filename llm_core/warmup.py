@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llm_core.model.layers import _DENSE_TOKENS
-from llm_core.sample.sampling import SamplingParams
+from llm_core.sample.params import SamplingParams
 
 if TYPE_CHECKING:
     from llm_core.llm import LLM

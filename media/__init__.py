@@ -10,11 +10,13 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from media.audio import audio_features, has_audio_track, load_audio
+    from media.audio import audio_features, load_audio
+    from media.audio_source import has_audio_track
     from media.errors import DEFAULT_LIMITS, MediaError, MediaLimits
     from media.image import load_images_batch
     from media.image_decode import load_image
-    from media.video import load_video, plan_sampling, probe_video
+    from media.video import load_video
+    from media.video_probe import plan_sampling, probe_video
     from media.video_frames import VideoFrames
     from media.video_probe import VideoInfo
     from media.vision_geometry import VIDEO_PREPROCESS, VisionPreprocessConfig
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 # torchvision, which alone costs seconds of every start.
 _EXPORTS = {
     "audio_features": "media.audio",
-    "has_audio_track": "media.audio",
+    "has_audio_track": "media.audio_source",
     "load_audio": "media.audio",
     "DEFAULT_LIMITS": "media.errors",
     "MediaError": "media.errors",
@@ -33,8 +35,8 @@ _EXPORTS = {
     "load_images_batch": "media.image",
     "load_image": "media.image_decode",
     "load_video": "media.video",
-    "plan_sampling": "media.video",
-    "probe_video": "media.video",
+    "plan_sampling": "media.video_probe",
+    "probe_video": "media.video_probe",
     "VideoFrames": "media.video_frames",
     "VideoInfo": "media.video_probe",
     "VIDEO_PREPROCESS": "media.vision_geometry",

@@ -8,7 +8,6 @@ log-mel input. Every problem the user can cause surfaces as ``MediaError``.
 from __future__ import annotations
 
 import functools
-import io
 import math
 import os
 from typing import BinaryIO
@@ -19,9 +18,10 @@ import numpy as np
 import torch
 import torchaudio.functional as taF
 
+from media.audio_source import OPEN_OPTIONS, open_audio_source
 from media.errors import DEFAULT_LIMITS, MediaError, MediaLimits
 
-__all__ = ["audio_features", "has_audio_track", "load_audio"]
+__all__ = ["audio_features", "load_audio"]
 
 # Whisper's front end, fixed by the pretrained models (not tunable knobs).
 N_FFT = 400
@@ -48,12 +48,6 @@ _MEDIA_SIGNATURES: tuple[tuple[int, bytes, str], ...] = (
     (0, b"#!AMR", "AMR"),
     (0, b"caff", "CAF"),
 )
-
-# FFmpeg options for every input we open. An empty protocol whitelist stops
-# demuxers that open *other* resources by name (concat, HLS playlists, ...)
-# from reading local files or URLs named inside user data. Our own input is a
-# Python file object, which needs no protocol, so normal files are unaffected.
-_OPEN_OPTIONS = {"protocol_whitelist": "none"}
 
 # swresample normalises its downmix matrix only when asked to keep samples in
 # [-1, 1]; by default float output sums stereo as 0.707 * (L + R). With
@@ -86,7 +80,7 @@ def load_audio(
     if not isinstance(sample_rate, int) or sample_rate <= 0:
         raise ValueError(f"sample_rate must be a positive int, got {sample_rate!r}")
 
-    fileobj = _open_source(source, limits)
+    fileobj = open_audio_source(source, limits)
     with fileobj:
         head = fileobj.read(16)
         fileobj.seek(0)
@@ -95,50 +89,12 @@ def load_audio(
             return _decode_first_audio_stream(container, sample_rate, limits)
 
 
-def has_audio_track(source: str | os.PathLike[str] | bytes, *, limits: MediaLimits = DEFAULT_LIMITS) -> bool:
-    """Whether ``source`` holds an audio stream (e.g. a video's sound track).
-    Unreadable input is simply ``False``: decoding it reports the real problem."""
-    try:
-        with _open_source(source, limits) as fileobj:
-            with av.open(fileobj, mode="r", container_options=_OPEN_OPTIONS) as container:
-                return bool(container.streams.audio)
-    except (MediaError, av.error.FFmpegError, OSError):
-        return False
 
-
-def _open_source(source: str | os.PathLike[str] | bytes, limits: MediaLimits) -> BinaryIO:
-    """A seekable binary file for ``source``, after the empty / size checks
-    (done before FFmpeg sees a byte, so an oversized upload costs nothing)."""
-    fileobj: BinaryIO
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        size = memoryview(source).nbytes
-        _check_size(size, limits)
-        fileobj = io.BytesIO(source)
-    elif isinstance(source, (str, os.PathLike)):
-        fileobj = open(os.fspath(source), "rb")  # noqa: SIM115 - closed by the caller's `with`
-        try:
-            _check_size(os.fstat(fileobj.fileno()).st_size, limits)
-        except BaseException:
-            fileobj.close()
-            raise
-    else:
-        raise TypeError(f"audio source must be bytes or a path, got {type(source).__name__}")
-    return fileobj
-
-
-def _check_size(size: int, limits: MediaLimits) -> None:
-    if size == 0:
-        raise MediaError("The audio file is empty.", status=400)
-    if size > limits.max_file_bytes:
-        raise MediaError(
-            f"The audio file is too large ({size} bytes; the limit is {limits.max_file_bytes} bytes).",
-            status=413,
-        )
 
 
 def _open_container(fileobj: BinaryIO, head: bytes) -> av.container.InputContainer:
     try:
-        return av.open(fileobj, mode="r", container_options=_OPEN_OPTIONS)
+        return av.open(fileobj, mode="r", container_options=OPEN_OPTIONS)
     except av.error.EOFError:
         # The header itself is cut off: the format was recognised, data ran out.
         raise MediaError("The audio file is truncated.", status=400) from None

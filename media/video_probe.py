@@ -14,7 +14,7 @@ from fractions import Fraction
 import av
 import av.error
 
-from media.errors import MediaError, MediaLimits
+from media.errors import DEFAULT_LIMITS, MediaError, MediaLimits
 from media.video_container import (
     MAX_PACKETS_PER_SECOND,
     check_video_file,
@@ -247,3 +247,58 @@ def _scan_open(container: av.container.InputContainer, limits: MediaLimits) -> P
         rot_k=rot_k,
         decoder=cc.name,
     )
+
+
+def probe_video(
+    path: str | os.PathLike[str], limits: MediaLimits = DEFAULT_LIMITS
+) -> VideoInfo:
+    """Duration, fps, size, codec, rotation and keyframe times of a video.
+
+    One demux pass over the packets (no decoding, except the first frame for
+    validation and rotation). Raises MediaError (400/413/415)."""
+    return scan_video(path, limits).info
+
+
+def plan_sampling(
+    info: VideoInfo,
+    fps: float = 2.0,
+    max_frames: int | None = None,
+    limits: MediaLimits = DEFAULT_LIMITS,
+) -> list[float]:
+    """Target times (seconds from start) for sampling at ``fps``.
+
+    Targets are interval centres ``(i + 0.5) / fps`` for every such time before
+    the end of the video. If that's more than the cap (``max_frames`` and
+    ``limits.max_video_frames``, rounded down to even), the cap is spread evenly:
+    ``(i + 0.5) * duration / cap``. The count is always even (the vision encoder
+    patches 2 frames in time): an odd count is padded by repeating the last
+    target. At least 2 targets, even for a one-frame video.
+    """
+    if not (isinstance(fps, (int, float)) and math.isfinite(fps) and fps > 0):
+        raise MediaError("fps must be a positive number", 400)
+    if info.duration > limits.max_video_seconds:
+        raise MediaError(
+            f"video is too long ({info.duration:.0f} s, limit "
+            f"{limits.max_video_seconds:.0f} s)",
+            413,
+        )
+    cap = limits.max_video_frames
+    if max_frames is not None:
+        cap = min(cap, max_frames)
+    if cap < 2:
+        raise MediaError("max_frames must be at least 2", 400)
+    cap -= cap % 2
+    d = max(0.0, float(info.duration))
+    # Number of centres (i + 0.5) / fps strictly inside [0, d); the epsilon keeps
+    # float noise from adding a target exactly at the end.
+    n = max(1, math.ceil(d * fps - 0.5 - 1e-9))
+    if n <= cap:
+        ts = [(i + 0.5) / fps for i in range(n)]
+        if ts[-1] >= d:  # one target for a clip shorter than half an interval
+            ts = [d / 2]
+    else:
+        n = cap
+        ts = [(i + 0.5) * d / n for i in range(n)]
+    if len(ts) % 2:
+        ts.append(ts[-1])
+    return ts

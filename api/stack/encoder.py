@@ -27,14 +27,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api.metrics import ServerMetrics
-from api.runtime import media_kinds, media_pipeline
+from api.media_pipeline import media_pipeline
 from api.stack import messages as m
 from api.stack.embeddings import embedding_cache, keep_ring_fresh
 from api.stack.service import ServiceSocket, run_service
 from api.stack.transport import send
 from embedding_cache import SharedEmbeddingStore, embedding_cache_routes
 from encoders import EncoderQueueFull
-from encoders.multimodal_checkpoint import placeholder_token_ids
+from encoders.media_kinds import media_kinds, placeholder_token_ids
 from media import MediaError
 
 __all__ = ["EncoderConfig", "EncoderService", "run_encoder"]

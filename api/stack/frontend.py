@@ -26,14 +26,13 @@ from api.streams import (
 )
 from api.metrics import ServerMetrics
 from api.options import ServerOptions
-from api.runtime import media_kinds
 from api.stack import messages as m
 from api.stack.links import Link, LinkSet, ServiceDown
 from api.stack.transport import parse_peers, send
-from encoders.multimodal_checkpoint import encoder_kinds, placeholder_token_ids
+from encoders.media_kinds import encoder_kinds, media_kinds, placeholder_token_ids
 from llm_core import ModelConfig, MultimodalSpan, SamplingParams
 from llm_core.model.chat import ChatTemplate
-from llm_core.llm import check_context_length, encode_prompt
+from llm_core.prompts import check_context_length, encode_prompt
 from llm_core.model.multimodal import MediaEmbedding, SpanRef, with_cache_tokens
 from llm_core.kv.page_address import CacheGeometry
 from llm_core.cluster.router import DEFAULT_LOAD_WEIGHT, DEFAULT_MAX_LOAD_RATIO, NoWorkers, Router

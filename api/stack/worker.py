@@ -50,7 +50,7 @@ from api.stack.worker_refusals import MissingEmbedding, refusal_status
 from embedding_cache import EmbeddingCache, SharedEmbeddingStore
 from llm_core import LLM, MultimodalSpan, SamplingParams
 from llm_core.kv.kv_events import KVEventLog
-from llm_core.llm import encode_prompt
+from llm_core.prompts import encode_prompt
 
 __all__ = ["WorkerConfig", "WorkerService", "run_worker"]
 

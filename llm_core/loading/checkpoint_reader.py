@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from llm_core.loading.errors import CheckpointError
 from llm_core.model.config import ConfigError
 from llm_core.model.fp8 import DEFAULT_GROUP, FP8_DTYPE, Fp8Scheme, dequantize, read_fp8_scheme
 
@@ -36,10 +37,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
 _HEADER_LIMIT = 100 << 20  # the safetensors format's own bound on a header
-
-
-class CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match its config."""
 
 
 @dataclass(frozen=True)

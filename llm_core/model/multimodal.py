@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,8 @@ def check_spans(spans: Sequence[MultimodalSpan], prompt_len: int, hidden_size: i
 
 
 def _check_span(index: int, span: MultimodalSpan, prompt_len: int, hidden_size: int) -> None:
+    import torch  # these records travel through the API process, which imports no torch
+
     where = f"multimodal span {index}"
     if not isinstance(span, MultimodalSpan):
         raise ValueError(f"{where} is a {type(span).__name__}, not a MultimodalSpan")

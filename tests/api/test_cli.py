@@ -44,7 +44,8 @@ def test_bench_image_prints_one_json_object(capsys) -> None:
 
 
 def test_init_checkpoint_multimodal_loads_with_encoders(tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    from encoders.multimodal_checkpoint import load_encoders, placeholder_token_ids
+    from encoders.media_kinds import placeholder_token_ids
+    from encoders.multimodal_checkpoint import load_encoders
     from llm_core.model.chat import ChatTemplate, DEFAULT_CHAT_TEMPLATE
 
     out = tmp_path / "mm"
@@ -112,8 +113,9 @@ def test_the_prefill_batch_limit_defaults_by_device_and_reaches_the_engine_core(
 
 def test_commands_start_without_what_they_do_not_use() -> None:
     # Every process of a server or a stack builds the command line first: it
-    # must not import torch (seconds of every start), and a text-only server
-    # must not import the media decoders (torchvision, and through it dynamo).
+    # must not import torch (seconds of every start); nor must the API side and
+    # the supervisor, which hold no tensor; and a text-only server must not
+    # import the media decoders (torchvision, and through it dynamo).
     import subprocess
     import sys
 
@@ -122,7 +124,10 @@ def test_commands_start_without_what_they_do_not_use() -> None:
         "from swallow.cli import build_parser\n"
         "build_parser()\n"
         "assert 'torch' not in sys.modules, 'the parser imported torch'\n"
-        "import api.server, api.engine_core, api.engine_core_frontend, api.stack.worker\n"
+        "import api.server, api.engine_core, api.engine_core_frontend, api.stack.frontend, api.stack.supervisor\n"
+        "import swallow.cli, demo.routes\n"
+        "assert 'torch' not in sys.modules, 'the API side or a supervisor imported torch'\n"
+        "import api.stack.worker\n"
         "assert 'torchvision' not in sys.modules, 'the text-only serving path imported torchvision'\n"
         "assert 'torch._dynamo' not in sys.modules, 'the serving path imported dynamo'\n"
     )

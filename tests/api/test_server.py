@@ -9,13 +9,18 @@ from pathlib import Path
 import pytest
 
 from llm_core import LLM, SamplingParams
-from tests.api.live import HTTP, live_server
+from tests.api.live import HTTP, LiveServer, live_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Path) -> Iterator[str]:
+def running(tiny_checkpoint: Path) -> Iterator[LiveServer]:
     with live_server(tiny_checkpoint) as live:
-        yield live.url
+        yield live
+
+
+@pytest.fixture(scope="module")
+def server(running: LiveServer) -> str:
+    return running.url
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +173,14 @@ def test_stop_strings_are_bounded() -> None:
         parse_stop(["a"] * (MAX_STOP_STRINGS + 1))
     with pytest.raises(BadRequest, match="at most"):
         parse_stop("x" * (MAX_STOP_CHARS + 1))
+
+
+def test_a_text_model_is_served_without_torch_in_the_api_process(running: LiveServer, server: str) -> None:
+    # torch (its import and ~400 MB) belongs to the engine core: the API process
+    # of a text-only model templates, tokenises, detokenises and streams.
+    r = HTTP.post(f"{server}/v1/chat/completions",
+                  json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert HTTP.get(f"{server}/demo/samples").status_code == 200
+    maps = Path(f"/proc/{running.pid}/maps").read_text()
+    assert "libtorch" not in maps, "the API process loaded torch"

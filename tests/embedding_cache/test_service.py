@@ -195,7 +195,7 @@ def test_preprocessing_on_another_device_is_another_key() -> None:
 
 
 def test_the_serving_pipeline_preprocesses_on_the_encoders_device(tmp_path: Path) -> None:
-    from api.runtime import media_config
+    from api.media_pipeline import media_config
     from media import DEFAULT_LIMITS
 
     assert media_config(tmp_path, DEFAULT_LIMITS).preprocess_device == "cpu"

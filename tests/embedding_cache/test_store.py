@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embedding_cache import DTYPE_CODES, SharedEmbeddingStore, StoreLayoutError
+from embedding_cache import DTYPE_NAMES, SharedEmbeddingStore, StoreLayoutError
 from embedding_cache.store_lock import lock_file_path
 
 SPAWN = mp.get_context("spawn")
@@ -185,7 +185,7 @@ def _child_dies_mid_put(name: str) -> None:
 SHAPES = [(), (0,), (1,), (5,), (3, 0, 2), (4, 7), (2, 3, 4), (2, 1, 3, 2, 2, 3)]
 
 
-@pytest.mark.parametrize("dtype", list(DTYPE_CODES), ids=str)
+@pytest.mark.parametrize("dtype", [getattr(torch, name) for name in DTYPE_NAMES], ids=str)
 def test_round_trip_every_dtype_and_shape(make_store: Callable[..., SharedEmbeddingStore], dtype: torch.dtype) -> None:
     store = make_store(64 * 1024, block_size=256)
     generator = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ from llm_core.model_runner import compiled, compiled_decode_logits, decode_logit
 from llm_core.llm import LLM
 from llm_core.kv.attention_backends import DecodeAttentionBackend
 from llm_core.model.presets import tiny
-from llm_core.sample.sampling import SamplingParams
+from llm_core.sample.params import SamplingParams
 
 PROMPTS = [list(range(20, 45)), list(range(50, 90)), list(range(100, 119))]
 

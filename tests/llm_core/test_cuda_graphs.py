@@ -10,7 +10,7 @@ import torch
 
 from llm_core.cuda_graphs import graph_batch_sizes, padded_size
 from llm_core.llm import LLM
-from llm_core.sample.sampling import SamplingParams
+from llm_core.sample.params import SamplingParams
 
 
 def test_batch_sizes_cover_every_batch_up_to_the_limit() -> None:

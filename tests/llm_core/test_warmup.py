@@ -16,7 +16,7 @@ from llm_core.loading.checkpoint import write_random_checkpoint
 from llm_core.llm import LLM
 from llm_core.model.multimodal import MultimodalSpan
 from llm_core.model.presets import tiny
-from llm_core.sample.sampling import SamplingParams
+from llm_core.sample.params import SamplingParams
 from llm_core.warmup import CompileCounter
 
 

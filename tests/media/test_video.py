@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from media.errors import MediaError, MediaLimits
-from media.video import load_video, plan_sampling, probe_video
+from media.video import load_video
+from media.video_probe import plan_sampling, probe_video
 from media.video_probe import VideoInfo
 from media.video_sequential import decode_sequential
 

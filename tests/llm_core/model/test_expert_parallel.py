@@ -18,7 +18,7 @@ from llm_core.ep_engine import EPLeader, check_engine_config
 from llm_core.model.expert_parallel import ExpertParallel, owned_experts, token_range
 from llm_core.model.layers import SparseMoE
 from llm_core.llm import LLM
-from llm_core.sample.sampling import SamplingParams
+from llm_core.sample.params import SamplingParams
 from llm_core.loading.weights import CheckpointReader, load_model
 from tests.conftest import assert_pools_full
 

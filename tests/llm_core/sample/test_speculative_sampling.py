@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import llm_core.sample.sampling as sampling
-from llm_core.sample.sampling import SamplingParams, SamplingPlan, SamplingRow, draw_drafts, sample_tokens, verify_drafts
+from llm_core.sample.params import SamplingParams
+from llm_core.sample.sampling import SamplingPlan, SamplingRow, draw_drafts, sample_tokens, verify_drafts
 
 VOCAB = 4
 SEEDS = 12_000
