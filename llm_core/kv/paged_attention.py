@@ -21,6 +21,7 @@ import torch
 from llm_core.model.attention import attention_fused, sdpa_with_sinks, softmax_with_sinks
 from llm_core.model.config import ModelConfig
 from llm_core.device import to_device
+from llm_core.kv.pool_memory import zeroed
 from llm_core.model.fp8 import FP8_DTYPE, FP8_MAX
 
 
@@ -438,21 +439,19 @@ class KVCacheTensors:
         full_rows = (self.full_scratch_page + 1) * page_size
         self._layers: dict[int, tuple[bool, torch.Tensor, torch.Tensor]] = {}
         for i in config.full_layer_ids:
-            self._layers[i] = (False, torch.zeros(full_rows, full.num_kv_heads, full.head_dim, dtype=kv_dtype,
-                                                  device=device),
-                               torch.zeros(full_rows, full.num_kv_heads, full.v_head_dim, dtype=kv_dtype,
-                                           device=device))
+            self._layers[i] = (False, zeroed((full_rows, full.num_kv_heads, full.head_dim), kv_dtype, device),
+                               zeroed((full_rows, full.num_kv_heads, full.v_head_dim), kv_dtype, device))
         for i in swa_layers:
             rows = swa_slots + 1 + (draft_slots if i in mtp_ids else 0)
-            self._layers[i] = (True, torch.zeros(rows, swa.num_kv_heads, swa.head_dim, dtype=kv_dtype, device=device),
-                               torch.zeros(rows, swa.num_kv_heads, swa.v_head_dim, dtype=kv_dtype, device=device))
+            self._layers[i] = (True, zeroed((rows, swa.num_kv_heads, swa.head_dim), kv_dtype, device),
+                               zeroed((rows, swa.num_kv_heads, swa.v_head_dim), kv_dtype, device))
         # FP8 pools: one [k, v] scale pair per layer, on the pools' device (read there, never on the host).
         self._scales: dict[int, torch.Tensor] = {}
         if kv_dtype == FP8_DTYPE:
             given = kv_scales or {}
             self._scales = {i: torch.tensor(given.get(i, (1.0, 1.0)), dtype=torch.float32, device=device)
                             for i in self._layers}
-        self._hidden = [torch.zeros(swa_slots + 1 + draft_slots, config.hidden_size, dtype=dtype, device=device)
+        self._hidden = [zeroed((swa_slots + 1 + draft_slots, config.hidden_size), dtype, device)
                         for _ in range(draft_depths)]
         self.shapes = {
             "full_k": [len(config.full_layer_ids), full_rows, full.num_kv_heads, full.head_dim],
