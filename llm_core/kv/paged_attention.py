@@ -21,7 +21,7 @@ import torch
 from llm_core.model.attention import attention_fused, sdpa_with_sinks, softmax_with_sinks
 from llm_core.model.config import ModelConfig
 from llm_core.device import to_device
-from llm_core.kv.pool_memory import zeroed
+from llm_core.kv.pool_memory import check_fits_in_memory, zeroed
 from llm_core.model.fp8 import FP8_DTYPE, FP8_MAX
 
 
@@ -453,6 +453,7 @@ class KVCacheTensors:
                             for i in self._layers}
         self._hidden = [zeroed((swa_slots + 1 + draft_slots, config.hidden_size), dtype, device)
                         for _ in range(draft_depths)]
+        check_fits_in_memory([*(t for _, k, v in self._layers.values() for t in (k, v)), *self._hidden])
         self.shapes = {
             "full_k": [len(config.full_layer_ids), full_rows, full.num_kv_heads, full.head_dim],
             "swa_k": [len(swa_layers), swa_slots + 1, swa.num_kv_heads, swa.head_dim],

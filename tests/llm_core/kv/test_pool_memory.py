@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from llm_core.kv.pool_memory import zeroed
+from llm_core.kv.pool_memory import check_fits_in_memory, zeroed
 
 
 def _resident_mib() -> float:
@@ -36,3 +36,14 @@ def test_a_large_cpu_pool_is_resident_only_where_written() -> None:
     del pool
     gc.collect()
     assert _resident_mib() - before < 4  # unmapped with the tensor
+
+
+def test_pools_larger_than_the_available_memory_are_refused_at_start(tmp_path) -> None:  # noqa: ANN001
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       8000000 kB\nMemAvailable:      65536 kB\n")  # 64 MiB available
+    pools = [zeroed((16 << 20 >> 2,), torch.float32, "cpu") for _ in range(3)]  # 48 MiB
+    check_fits_in_memory(pools, meminfo)
+    pools.append(zeroed((32 << 20 >> 2,), torch.float32, "cpu"))  # 80 MiB in all
+    with pytest.raises(ValueError, match="need 80 MiB of host memory.*64 MiB available.*--kv-budget-mib"):
+        check_fits_in_memory(pools, meminfo)
+    check_fits_in_memory(pools, tmp_path / "missing")  # nothing to read: nothing checked
