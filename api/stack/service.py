@@ -90,7 +90,10 @@ class ServiceSocket:
             await asyncio.gather(*tasks, *held, return_exceptions=True)
             await self.http.stop()
             self.sock.close()
-            self.context.term()
+            # Every socket made from this context goes with it, a decode worker's
+            # links to prefill workers among them: term() would wait for those
+            # forever, and a stopping worker would be killed after the grace period.
+            self.context.destroy(linger=0)
 
     async def dispatch(self, handle: Callable[[bytes, object], Awaitable[None]]) -> None:
         """Every message received, with its sender's identity, to ``handle`` in

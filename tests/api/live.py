@@ -33,9 +33,13 @@ def live_server(model_dir: Path, *extra: str, env: dict[str, str] | None = None)
 
 
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` still exists."""
+    """Whether process ``pid`` still runs (a zombie is dead: only its parent
+    has not reaped it yet)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

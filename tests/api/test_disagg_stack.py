@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from api.launch import RunningStack, launch_stack
+from api.stack.supervisor import GRACE_S
 from tests.api.live import HTTP, alive
 from tests.api.test_stack import _wait_until, references_checked_against_transformers
 from tests.api.test_stack import chat_response as _chat
@@ -173,3 +174,15 @@ def test_a_prefill_worker_stopped_and_killed_mid_transfer_gives_the_fallback(sta
     assert response.json()["choices"][0]["message"]["content"] == reference
     assert response.headers["x-swallow-decode-worker"] == "worker-1"
     assert _worker_stats(stack, "worker-1")["disaggregation"]["received"] == received + 1
+
+
+def test_ctrl_c_stops_every_role_without_the_grace_period(stack: RunningStack) -> None:
+    """The module's last test. A decode worker holds sockets to prefill workers:
+    its stop must close them, not wait on them until the supervisor kills it."""
+    assert _chat(stack.url, "How many beeps do you hear?", []).headers["x-swallow-decode-worker"] == "worker-1"
+    pids = [role.current_pid(HTTP) or role.pid for role in stack.roles.values()]
+    started = time.monotonic()
+    os.kill(stack.pid, signal.SIGINT)
+    _wait_until(lambda: not alive(stack.pid), 60, "the supervisor to exit")
+    assert time.monotonic() - started < GRACE_S - 2, "a role ignored SIGTERM and was killed after the grace period"
+    assert not [pid for pid in pids if alive(pid)]

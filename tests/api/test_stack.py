@@ -32,7 +32,7 @@ from api.launch import RunningStack, launch_stack
 from api.metrics import ServerMetrics
 from api.runtime import ServingModel
 from api.chat_service import ChatService
-from tests.api.live import HTTP
+from tests.api.live import HTTP, alive
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo"
@@ -255,19 +255,7 @@ def test_ctrl_c_stops_every_process_and_frees_shared_memory(stack: RunningStack)
     store = stack.store_name
     assert store and Path(f"/dev/shm/{store}").exists()
     os.kill(stack.pid, signal.SIGINT)
-    _wait_until(lambda: not _alive(stack.pid), 60, "the supervisor to exit")
+    _wait_until(lambda: not alive(stack.pid), 60, "the supervisor to exit")
     for pid in pids:
-        assert not _alive(pid), f"process {pid} is still running"
+        assert not alive(pid), f"process {pid} is still running"
     assert not list(Path("/dev/shm").glob(f"{store}*")), "the shared-memory store was left behind"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead; only its parent has not reaped it yet.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
