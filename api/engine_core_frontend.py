@@ -12,9 +12,9 @@ from api.frontend import Embedder
 from api.metrics import ServerMetrics
 from api.options import ServerOptions
 from api.media_pipeline import build_media
-from encoders.media_kinds import media_kinds
 from api.stack.frontend import StackFrontend
 from embedding_cache import SharedEmbeddingStore
+from encoders.media_kinds import media_kinds
 
 __all__ = ["EngineCoreFrontend"]
 

@@ -37,8 +37,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from media.video_probe import plan_sampling
-from media.video_probe import VideoInfo
+from media.video_probe import VideoInfo, plan_sampling
 
 # ------------------------------------------------------------------------ constants
 

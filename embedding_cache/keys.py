@@ -156,6 +156,7 @@ def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's elements as one flat uint8 array (row-major, no copy when already
     a contiguous CPU tensor)."""
     import torch
+
     flat = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy()
 

@@ -28,22 +28,24 @@ from embedding_cache.keys import KEY_BYTES
 MAX_NDIM = 6
 
 # Codes live in shared memory and outlive any one process: never renumber, only append.
-# Keyed by torch's dtype names (``torch.float32`` is "float32"): the segment is made
-# and checked by processes that never import torch (a stack's supervisor).
-DTYPE_NAMES: dict[str, int] = {
-    "float32": 1,
-    "float16": 2,
-    "bfloat16": 3,
-    "int32": 4,
-    "int64": 5,
-    "uint8": 6,
-    "float64": 7,
-    "int8": 8,
-    "int16": 9,
-    "bool": 10,
+# Keyed by torch's dtype names (``torch.float32`` is "float32"), with each one's
+# element size: the segment is made and checked by processes that never import
+# torch (a stack's supervisor).
+_DTYPES: dict[str, tuple[int, int]] = {  # name: (code, bytes per element)
+    "float32": (1, 4),
+    "float16": (2, 2),
+    "bfloat16": (3, 2),
+    "int32": (4, 4),
+    "int64": (5, 8),
+    "uint8": (6, 1),
+    "float64": (7, 8),
+    "int8": (8, 1),
+    "int16": (9, 2),
+    "bool": (10, 1),
 }
-NAMES_BY_CODE: dict[int, str] = {code: name for name, code in DTYPE_NAMES.items()}
-ITEMSIZES: dict[int, int] = {1: 4, 2: 2, 3: 2, 4: 4, 5: 8, 6: 1, 7: 8, 8: 1, 9: 2, 10: 1}
+DTYPE_NAMES: dict[str, int] = {name: code for name, (code, _) in _DTYPES.items()}
+NAMES_BY_CODE: dict[int, str] = {code: name for name, (code, _) in _DTYPES.items()}
+ITEMSIZES: dict[int, int] = {code: size for code, size in _DTYPES.values()}
 
 _MAGIC = int.from_bytes(b"SWEMBCAC", "little")
 _LAYOUT_VERSION = 1

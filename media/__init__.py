@@ -16,9 +16,8 @@ if TYPE_CHECKING:
     from media.image import load_images_batch
     from media.image_decode import load_image
     from media.video import load_video
-    from media.video_probe import plan_sampling, probe_video
     from media.video_frames import VideoFrames
-    from media.video_probe import VideoInfo
+    from media.video_probe import VideoInfo, plan_sampling, probe_video
     from media.vision_geometry import VIDEO_PREPROCESS, VisionPreprocessConfig
     from media.vision_preprocess import ImageBatch, preprocess_images, preprocess_video
 

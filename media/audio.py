@@ -89,9 +89,6 @@ def load_audio(
             return _decode_first_audio_stream(container, sample_rate, limits)
 
 
-
-
-
 def _open_container(fileobj: BinaryIO, head: bytes) -> av.container.InputContainer:
     try:
         return av.open(fileobj, mode="r", container_options=OPEN_OPTIONS)

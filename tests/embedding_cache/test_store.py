@@ -637,3 +637,11 @@ def test_get_of_1mb_is_fast(make_store: Callable[..., SharedEmbeddingStore]) -> 
         timings.append(time.perf_counter() - start)
     # Typically ~0.05-0.1 ms here; 2 ms leaves room for a loaded machine.
     assert statistics.median(timings) < 2e-3, statistics.median(timings)
+
+
+def test_stored_dtypes_keep_torch_names_and_sizes() -> None:
+    # The segment's table is torch-free (a supervisor reads it): it must say what torch says.
+    from embedding_cache.store_segment import ITEMSIZES, NAMES_BY_CODE
+
+    for name, code in DTYPE_NAMES.items():
+        assert NAMES_BY_CODE[code] == name and ITEMSIZES[code] == getattr(torch, name).itemsize
