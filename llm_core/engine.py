@@ -86,7 +86,7 @@ class Engine:
         self.sampler = StepSampler(self.requests, self._counts, grammars, mc.vocab_size, device)
         self.drafter = MTPDrafter(model, self.kv, self.window, k, self.runner.attention_fn,
                                   self.runner.decode_attention_fn, device,
-                                  compiled(mtp_layer_forward) if config.compile else mtp_layer_forward) \
+                                  compiled(mtp_layer_forward, device) if config.compile else mtp_layer_forward) \
             if k else None
         self.spec_stats = SpeculativeStats(k)
         self.handoff = KVHandoff(self.allocator, self.cache, SequenceKVPacker(self.kv, self.window, config.swa_mode),

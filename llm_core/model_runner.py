@@ -112,11 +112,16 @@ def extend_hidden(model: MiMoV2ForCausalLM, input_ids: torch.Tensor, positions: 
     return hidden
 
 
-def compiled(fn: Callable[..., torch.Tensor], backend: str = "inductor") -> Callable[..., torch.Tensor]:
+def compiled(fn: Callable[..., torch.Tensor], device: torch.device, backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """``fn`` under torch.compile(fullgraph=True) with dynamic shapes: one graph
     for every batch size and context (a decode batch of one aside: inductor's
     broadcasting checks still tell a size of 1 from larger ones there)."""
-    graph = torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)
+    # On CPU, inductor's C++ wrapper: a graph's calls run without Python in
+    # between (decode 10-15% faster on the tiny model), and its kernels build
+    # as one library per graph rather than one per kernel (a quarter less
+    # compiler CPU in a cold warm-up).
+    options = {"cpp_wrapper": True} if backend == "inductor" and device.type == "cpu" else None
+    graph = torch.compile(fn, fullgraph=True, dynamic=True, backend=backend, options=options)
 
     def run(*args: Any) -> torch.Tensor:
         # Without duck sizing, two sizes that happen to be equal when a graph is
@@ -137,8 +142,8 @@ def compiled(fn: Callable[..., torch.Tensor], backend: str = "inductor") -> Call
     return run
 
 
-def compiled_decode_logits(backend: str = "inductor") -> DecodeForwardFn:
-    return compiled(decode_logits, backend)
+def compiled_decode_logits(device: torch.device, backend: str = "inductor") -> DecodeForwardFn:
+    return compiled(decode_logits, device, backend)
 
 
 
@@ -161,8 +166,8 @@ class ModelRunner:
         self.decode_attention_fn = resolve_decode_attention(config.attention, device)
         if config.compile:
             kv.mark_static()
-        self._decode_logits = compiled_decode_logits() if config.compile else decode_logits
-        self._extend_hidden = compiled(extend_hidden) if config.compile else extend_hidden
+        self._decode_logits = compiled_decode_logits(device) if config.compile else decode_logits
+        self._extend_hidden = compiled(extend_hidden, device) if config.compile else extend_hidden
         self.graphs = self._capture_graphs()
 
     def logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:

@@ -42,7 +42,7 @@ def test_decode_forward_traces_whole_and_does_not_recompile(two_layer_checkpoint
     chunks = _in_decode(llm, PROMPTS)
     engine.kv.mark_static()  # as a compiling engine does
     torch._dynamo.reset()
-    compiled = compiled_decode_logits(backend="aot_eager")
+    compiled = compiled_decode_logits(engine.device, backend="aot_eager")
     with torch.inference_mode():
         for batch in (chunks, chunks[:2]):  # two batch sizes, contexts of 19 to 40 tokens
             step = engine.runner.prepare_step(batch)
@@ -61,7 +61,7 @@ def test_extend_forward_traces_whole_and_does_not_recompile(two_layer_checkpoint
     engine = llm.engine
     engine.kv.mark_static()
     torch._dynamo.reset()
-    traced = compiled(extend_hidden, backend="aot_eager")
+    traced = compiled(extend_hidden, engine.device, backend="aot_eager")
     with torch.inference_mode():
         for step_index in range(2):  # two mixed batches of different sizes and chunk layouts
             chunks = engine.scheduler.schedule()
