@@ -112,7 +112,8 @@ def extend_hidden(model: MiMoV2ForCausalLM, input_ids: torch.Tensor, positions: 
     return hidden
 
 
-def compiled(fn: Callable[..., torch.Tensor], device: torch.device, backend: str = "inductor") -> Callable[..., torch.Tensor]:
+def compiled(fn: Callable[..., torch.Tensor], device: torch.device,
+             backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """``fn`` under torch.compile(fullgraph=True) with dynamic shapes: one graph
     for every batch size and context (a decode batch of one aside: inductor's
     broadcasting checks still tell a size of 1 from larger ones there)."""
@@ -144,7 +145,6 @@ def compiled(fn: Callable[..., torch.Tensor], device: torch.device, backend: str
 
 def compiled_decode_logits(device: torch.device, backend: str = "inductor") -> DecodeForwardFn:
     return compiled(decode_logits, device, backend)
-
 
 
 class ModelRunner:
