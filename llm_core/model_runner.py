@@ -123,21 +123,24 @@ def compiled(fn: Callable[..., torch.Tensor], device: torch.device,
     # compiler CPU in a cold warm-up).
     options = {"cpp_wrapper": True} if backend == "inductor" and device.type == "cpu" else None
     graph = torch.compile(fn, fullgraph=True, dynamic=True, backend=backend, options=options)
+    # Without duck sizing, two sizes that happen to be equal when a graph is
+    # traced (batch and page count, say) are not assumed equal forever,
+    # which would recompile it when they part.
+    # Size-oblivious sizes: a size of 1 takes the general graph rather than
+    # one traced for it (one row, one sequence, one request), which cuts the
+    # warm-up's compiles by a quarter; broadcasting checks that must tell 1
+    # apart still guard (a decode batch of one keeps its own graph), and
+    # tests/llm_core/test_warmup.py checks compiled against eager tokens.
+    # One graph per MTP layer module as well: more than dynamo's default of 8.
+    # Float attributes (norm eps, scales) are constants of the graph: each
+    # would otherwise be a symbolic input guarded in Python at every call.
+    # Made once and entered at each call (a patch restores what it changed on
+    # exit): building them anew cost 30 us a call, 3% of a one-row decode step.
+    shapes = torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True)
+    limits = torch._dynamo.config.patch(recompile_limit=64, specialize_float=True)
 
     def run(*args: Any) -> torch.Tensor:
-        # Without duck sizing, two sizes that happen to be equal when a graph is
-        # traced (batch and page count, say) are not assumed equal forever,
-        # which would recompile it when they part.
-        # Size-oblivious sizes: a size of 1 takes the general graph rather than
-        # one traced for it (one row, one sequence, one request), which cuts the
-        # warm-up's compiles by a quarter; broadcasting checks that must tell 1
-        # apart still guard (a decode batch of one keeps its own graph), and
-        # tests/llm_core/test_warmup.py checks compiled against eager tokens.
-        # One graph per MTP layer module as well: more than dynamo's default of 8.
-        # Float attributes (norm eps, scales) are constants of the graph: each
-        # would otherwise be a symbolic input guarded in Python at every call.
-        with torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True), \
-                torch._dynamo.config.patch(recompile_limit=64, specialize_float=True):
+        with shapes, limits:
             return graph(*args)
 
     return run

@@ -125,7 +125,7 @@ class StepSampler:
             raw = logits
             adjusted, _ = self._adjust(chunks, logits, 1, None)
             tokens = sample_tokens(adjusted, plan).view(-1, 1)
-            accepted = torch.zeros(len(chunks), dtype=torch.long, device=logits.device)
+            accepted: torch.Tensor | None = None  # no drafts: each chunk keeps its one token
         else:
             # Each chunk's rows (its next position, then its drafts) padded to most + 1.
             index, offset = [], 0
@@ -139,10 +139,11 @@ class StepSampler:
             num_drafts = to_device(torch.tensor(num), logits.device)
             tokens, accepted = verify_drafts(adjusted.view_as(rows_logits), drafts, num_drafts, probs, plan)
         logprobs = self._logprobs(chunks, raw, tokens)
-        host = torch.cat((tokens, accepted[:, None]), dim=1).tolist()  # one copy
+        # One copy: the tokens, and the count of accepted drafts where there are drafts.
+        host = (tokens if accepted is None else torch.cat((tokens, accepted[:, None]), dim=1)).tolist()
         out: dict[int, Drawn | Exception] = {}
         for i, (chunk, row) in enumerate(zip(chunks, host)):
-            n = row[-1]
+            n = 0 if accepted is None else row[-1]
             chosen, top = logprobs.get(i, (None, None))
             out[chunk.seq.request_id] = Drawn(row[: n + 1], chosen[: n + 1] if chosen is not None else None,
                                                top[: n + 1] if top is not None else None)
