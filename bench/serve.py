@@ -10,7 +10,7 @@ level c exactly c requests are kept in flight (closed loop), by three drivers:
   (the same argv parsed by the CLI's own parser) and as many torch threads as
   the server gives its engine (``torch_threads``), driven by ``add_request`` /
   ``step``;
-* served: a real `swallow serve` subprocess, one asyncio httpx client streaming
+* served: a real `swallow serve` subprocess, one asyncio aiohttp client streaming
   /v1/completions, a semaphore of c over all requests;
 * vLLM (``peer_vllm``): vLLM's OpenAI server from another venv on the exported
   checkpoint (tools/vllm_peer.py), the same client.

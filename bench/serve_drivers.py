@@ -3,7 +3,7 @@
 flight while any are left -- and returns a ``Run``, one ``Stream`` (token ids
 and when each arrived) per request. The offline driver steps an
 ``llm_core.LLM`` in this process; the served one streams /v1/completions
-from any OpenAI-style server (``Target``) with one asyncio httpx client.
+from any OpenAI-style server (``Target``) with one asyncio aiohttp client.
 ``interleaved_levels`` runs every driver over the ``Plan``'s levels in turns.
 """
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -197,19 +198,19 @@ def served_model_name(url: str) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def _stream(client: httpx.AsyncClient, body: Mapping[str, Any]) -> Stream:
+async def _stream(session: aiohttp.ClientSession, url: str, body: Mapping[str, Any]) -> Stream:
     stream = Stream(time.perf_counter())
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            detail = (await response.aread()).decode(errors="replace")[:300]
-            raise RuntimeError(f"/v1/completions answered {response.status_code}: {detail}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            detail = (await response.read()).decode(errors="replace")[:300]
+            raise RuntimeError(f"/v1/completions answered {response.status}: {detail}")
+        async for line in response.content:  # one SSE line at a time
+            if not line.startswith(b"data: "):
                 continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
+            data = line.removeprefix(b"data: ").rstrip()
+            if data == b"[DONE]":
                 return stream
-            ids, error = _chunk_tokens(data)
+            ids, error = _chunk_tokens(data.decode())
             if error is not None:
                 raise RuntimeError(f"the stream carried an error: {error}")
             stream.receive(ids, time.perf_counter())
@@ -217,14 +218,17 @@ async def _stream(client: httpx.AsyncClient, body: Mapping[str, Any]) -> Stream:
 
 
 async def _served_run(target: Target, workload: Workload, concurrency: int) -> Run:
+    # aiohttp (C-parsed HTTP), as vLLM's and SGLang's serving benchmarks use: httpx cost this
+    # process 150-200 us of CPU per streamed token, on the cores the server under test runs on
+    # (docs/benchmarks.md).
     gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0, pool=None)
-    async with httpx.AsyncClient(base_url=target.url, limits=limits, timeout=timeout) as client:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=REQUEST_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def one(i: int) -> Stream:
             async with gate:
-                return await _stream(client, target.body(workload.prompts[i], workload.out_lens[i]))
+                return await _stream(session, target.url, target.body(workload.prompts[i], workload.out_lens[i]))
 
         started = time.perf_counter()
         streams = await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))
