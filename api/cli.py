@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,13 +88,22 @@ def _block(text: str) -> tuple[int, int]:
     return rows, cols
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def _serve(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else ensure_default_model()
     options = server_options(args)
-    # The engine core loads its model while this process imports the HTTP side
-    # and builds its encoders: a start takes the longer of the two, not both.
-    core = _launch_engine_core(args, model_dir, options) if args.engine_core == "process" else None
+    # uvicorn shuts down on SIGTERM, then raises it again: with the default action
+    # that would end the process before the `finally` below stops the engine core
+    # and removes its shared-memory store and socket directory.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    core = None
     try:
+        # The engine core loads its model while this process imports the HTTP side
+        # and builds its encoders: a start takes the longer of the two, not both.
+        core = _launch_engine_core(args, model_dir, options) if args.engine_core == "process" else None
         import uvicorn
 
         from api.metrics import ServerMetrics
@@ -131,13 +141,17 @@ def _embedded_model(args: argparse.Namespace, model_dir: Path, options: Any, met
 
 def _launch_engine_core(args: argparse.Namespace, model_dir: Path, options: Any) -> Any:
     """`serve`'s engine core, started: loading (and compiling) its model."""
-    from api.engine_core import EngineCoreProcess, default_engine_threads, engine_core_plan, new_store_name
+    from api.engine_core import (EngineCoreProcess, default_engine_threads, engine_core_plan, new_socket_dir,
+                                 new_store_name)
 
     threads = args.engine_threads or default_engine_threads()
+    socket_dir = new_socket_dir()
     plan = engine_core_plan(model_dir, engine_argv(args), store_name=options.embedding_cache_name or new_store_name(),
-                            threads=threads, log_level=args.log_level, kv_disk_dir=args.kv_disk_dir)
-    core = EngineCoreProcess(plan, options.embedding_cache_bytes, own_store=options.embedding_cache_name is None)
-    print(f"starting the engine core ({threads} torch threads; log in {core.supervisor.log_dir})", flush=True)
+                            threads=threads, log_level=args.log_level, socket_dir=socket_dir,
+                            kv_disk_dir=args.kv_disk_dir)
+    core = EngineCoreProcess(plan, options.embedding_cache_bytes, socket_dir,
+                             own_store=options.embedding_cache_name is None)
+    print(f"starting the engine core ({threads} torch threads)", flush=True)
     core.launch()
     return core
 

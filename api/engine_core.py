@@ -21,6 +21,7 @@ it, and a killed one takes it along (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 import uuid
@@ -29,7 +30,7 @@ from pathlib import Path
 from api.stack.plan import RolePlan, StackPlan, free_ports
 from api.stack.supervisor import Supervisor
 
-__all__ = ["EngineCoreProcess", "default_engine_threads", "engine_core_plan", "new_store_name"]
+__all__ = ["EngineCoreProcess", "default_engine_threads", "engine_core_plan", "new_socket_dir", "new_store_name"]
 
 WORKER_ID = "engine-core"
 
@@ -43,10 +44,9 @@ def default_engine_threads(cores: int | None = None) -> int:
 
 
 def engine_core_plan(model_dir: Path, engine_args: list[str], *, store_name: str, threads: int, log_level: str,
-                     kv_disk_dir: str | None = None, socket_dir: Path | None = None) -> StackPlan:
-    """One worker role on an IPC socket, its health port on localhost; no
-    KV events (a single engine has no router to tell)."""
-    socket_dir = socket_dir or Path(tempfile.mkdtemp(prefix="swallow-engine-"))
+                     socket_dir: Path, kv_disk_dir: str | None = None) -> StackPlan:
+    """One worker role on an IPC socket in ``socket_dir``, its health port on
+    localhost; no KV events (a single engine has no router to tell)."""
     address = f"ipc://{socket_dir / 'engine.sock'}"
     (health_port,) = free_ports(1)
     argv = ["worker", "--model", str(model_dir), "--ipc", address.removeprefix("ipc://"),
@@ -58,14 +58,23 @@ def engine_core_plan(model_dir: Path, engine_args: list[str], *, store_name: str
     return StackPlan((role,), store_name, url="")
 
 
-class EngineCoreProcess:
-    """The engine core's process, supervised from a thread of the API process."""
+def new_socket_dir() -> Path:
+    """A directory of its own for the engine core's socket (``EngineCoreProcess``
+    removes it on stop)."""
+    return Path(tempfile.mkdtemp(prefix="swallow-engine-"))
 
-    def __init__(self, plan: StackPlan, store_bytes: int, own_store: bool = True) -> None:
-        """``own_store``: the embedding store is this server's (removed when it
+
+class EngineCoreProcess:
+    """The engine core's process, supervised from a thread of the API process;
+    its output is the API process's own."""
+
+    def __init__(self, plan: StackPlan, store_bytes: int, socket_dir: Path, own_store: bool = True) -> None:
+        """``socket_dir``: made for the plan's socket, removed on stop.
+        ``own_store``: the embedding store is this server's (removed when it
         stops), not one the user named for several processes to share."""
         self.plan = plan
-        self.supervisor = Supervisor(plan, store_bytes, announce=False, own_store=own_store)
+        self.socket_dir = socket_dir
+        self.supervisor = Supervisor(plan, store_bytes, announce=False, own_store=own_store, inherit_output=True)
         self._stop = threading.Event()
         self._watch: threading.Thread | None = None
 
@@ -92,6 +101,7 @@ class EngineCoreProcess:
         if self._watch is not None:
             self._watch.join(timeout=5)
         self.supervisor.stop()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def new_store_name() -> str:

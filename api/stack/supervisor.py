@@ -60,16 +60,18 @@ class _Process:
 
 class Supervisor:
     def __init__(self, plan: StackPlan, store_bytes: int, log_dir: Path | None = None,
-                 announce: bool = True, own_store: bool = True) -> None:
+                 announce: bool = True, own_store: bool = True, inherit_output: bool = False) -> None:
         """``announce``: print where the stack serves once it is up (not for
         `serve`'s engine core, whose API says that itself). ``own_store``:
         remove the embedding store on stop (not one the user named, which
-        other processes may share)."""
+        other processes may share). ``inherit_output``: the roles write to this
+        process's stdout and stderr, not to a log file each (`serve`'s engine
+        core: one server, one output)."""
         self.plan = plan
         self.announce = announce
         self.own_store = own_store
         self.store_bytes = store_bytes
-        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="swallow-stack-"))
+        self.log_dir = None if inherit_output else log_dir or Path(tempfile.mkdtemp(prefix="swallow-stack-"))
         self.processes = [_Process(role) for role in plan.roles]
         # Set by SIGINT/SIGTERM. A plain flag: a signal handler runs between two
         # bytecodes of the main thread, maybe inside a lock it holds (an Event's
@@ -163,11 +165,15 @@ class Supervisor:
         return 0.0 if len(process.restarts) <= 1 else min(_MAX_BACKOFF_S, 0.5 * 2 ** (len(process.restarts) - 2))
 
     def _spawn(self, process: _Process) -> None:
-        process.log_path = self.log_dir / f"{process.plan.name}.log"
         argv = [sys.executable, "-m", "swallow", *process.plan.argv]
-        with process.log_path.open("ab") as out:
-            process.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.log_dir is None:
+            process.proc = subprocess.Popen(argv, preexec_fn=_die_with_parent, env=env)
+        else:
+            process.log_path = self.log_dir / f"{process.plan.name}.log"
+            with process.log_path.open("ab") as out:
+                process.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                                preexec_fn=_die_with_parent, env=env)
         process.starts += 1
         process.last_start = time.monotonic()
 
@@ -194,7 +200,8 @@ class Supervisor:
             if _healthy(client, process.plan.health_url):
                 waiting.remove(process)
             elif process.proc is not None and process.proc.poll() is not None:
-                raise RuntimeError(f"{process.plan.name} exited while starting:\n{_tail(process.log_path)}")
+                output = _tail(process.log_path) if process.log_path is not None else "(its output is above)"
+                raise RuntimeError(f"{process.plan.name} exited while starting:\n{output}")
 
     def _summary(self) -> str:
         roles = [p.plan.role for p in self.processes]

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.engine_core import default_engine_threads, engine_core_plan
+from api.engine_core import (EngineCoreProcess, default_engine_threads, engine_core_plan, new_socket_dir,
+                             new_store_name)
 from api.stack import messages as m
 from api.stack.outbox import Outbox
 from api.stack.transport import parse_peers
@@ -149,11 +150,27 @@ def test_a_dead_engine_core_is_started_again(server: LiveServer) -> None:
 
 
 def test_the_engine_core_stops_with_the_server(server: LiveServer) -> None:
-    """The module's last test: it stops the server the others used."""
+    """The module's last test: it stops the server the others used, which
+    leaves no process, no socket directory and no shared-memory store."""
     core_pid = _engine_core_pid(server)
     assert core_pid != server.pid and alive(core_pid)
+    argv = Path(f"/proc/{core_pid}/cmdline").read_bytes().decode().split("\0")
+    socket_dir = Path(argv[argv.index("--ipc") + 1]).parent
+    store = Path("/dev/shm") / argv[argv.index("--embedding-cache-name") + 1]
+    assert socket_dir.is_dir() and store.exists()
     os.kill(server.pid, signal.SIGTERM)
     deadline = time.monotonic() + 30
-    while alive(core_pid) and time.monotonic() < deadline:
+    while (alive(core_pid) or alive(server.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not alive(core_pid)
+    assert not alive(core_pid) and not alive(server.pid)
+    assert not socket_dir.exists() and not store.exists()
+
+
+def test_an_engine_core_process_writes_no_log_file_and_removes_its_socket_dir(tmp_path: Path) -> None:
+    socket_dir = new_socket_dir()
+    plan = engine_core_plan(tmp_path / "model", ["--no-compile"], store_name=new_store_name(), threads=1,
+                            log_level="info", socket_dir=socket_dir)
+    core = EngineCoreProcess(plan, 1 << 20, socket_dir)
+    assert core.supervisor.log_dir is None
+    core.stop()  # never launched: nothing to stop but its directory
+    assert not socket_dir.exists()
